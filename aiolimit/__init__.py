@@ -1,0 +1,39 @@
+"""aiolimit: asyncio-native distributed rate limiting on Redis and Redis Cluster.
+
+Several identifiers, each under several limits, decided all or nothing in one script call per
+slot. See the README for the quickstart.
+"""
+
+from aiolimit._clock import Clock, LocalClock, ServerClock
+from aiolimit._decision import Decision, PairDecision
+from aiolimit._errors import (
+    AiolimitError,
+    BackendError,
+    BackendUnavailable,
+    ConfigurationError,
+    InvalidRequestError,
+    RateLimited,
+    WeightNeverFits,
+)
+from aiolimit._limiter import Acquisition, Limiter, LimiterStatistics
+from aiolimit._limits import Limit
+
+__all__ = [
+    "Acquisition",
+    "AiolimitError",
+    "BackendError",
+    "BackendUnavailable",
+    "Clock",
+    "ConfigurationError",
+    "Decision",
+    "InvalidRequestError",
+    "Limit",
+    "Limiter",
+    "LimiterStatistics",
+    "LocalClock",
+    "PairDecision",
+    "RateLimited",
+    "ServerClock",
+    "WeightNeverFits",
+]
+__version__ = "0.1.0"

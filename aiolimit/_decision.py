@@ -1,0 +1,72 @@
+"""Decisions: what the limiter answered, and what the caller should do next."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiolimit._limits import Limit
+
+
+@dataclass(frozen=True, slots=True)
+class PairDecision:
+    """The verdict of one (identifier, limit) pair within a decision.
+
+    ``remaining`` is what is left after this request (if it was admitted). ``retry_after`` is
+    how long until this pair alone would admit the same weight (0.0 if it allows it now);
+    ``reset_after`` is how long until this pair is back to its full amount.
+    """
+
+    identifier: str
+    limit: Limit
+    allowed: bool
+    remaining: int
+    retry_after: float
+    reset_after: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer to one call, over every (identifier, limit) pair, all or nothing.
+
+    - ``allowed``: admitted and charged on every pair; if False, nothing was charged anywhere.
+    - ``remaining``: the smallest remaining over all pairs, after this request.
+    - ``retry_after``: seconds to wait before the same request can pass: 0.0 when allowed,
+      otherwise the largest over the refusing pairs.
+    - ``reset_after``: seconds until every pair is back to its full amount.
+    - ``identifier``/``limit``: the binding pair: the refusing pair with the longest wait, or,
+      when allowed, the pair with the least remaining.
+    - ``details``: every pair's own verdict.
+    - ``degraded``: the store could not be asked and the failure policy decided instead.
+    """
+
+    allowed: bool
+    remaining: int
+    retry_after: float
+    reset_after: float
+    identifier: str | None
+    limit: Limit | None
+    details: tuple[PairDecision, ...] = ()
+    degraded: bool = False
+
+    def __bool__(self) -> bool:
+        return self.allowed
+
+    @classmethod
+    def from_pairs(cls, details: tuple[PairDecision, ...]) -> Decision:
+        """Merges per-pair verdicts into the decision for the whole call."""
+        if not details:
+            return cls(True, 0, 0.0, 0.0, None, None, ())
+        refused = [d for d in details if not d.allowed]
+        if refused:
+            binding = max(refused, key=lambda d: d.retry_after)
+        else:
+            binding = min(details, key=lambda d: d.remaining)
+        return cls(
+            allowed=not refused,
+            remaining=min(d.remaining for d in details),
+            retry_after=binding.retry_after if refused else 0.0,
+            reset_after=max(d.reset_after for d in details),
+            identifier=binding.identifier,
+            limit=binding.limit,
+            details=details,
+        )

@@ -1,0 +1,200 @@
+"""The limiter: the public face that validates, asks the protocol, and waits when told to."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from aiolimit._clock import Clock
+from aiolimit._decision import Decision
+from aiolimit._errors import ConfigurationError, RateLimited
+from aiolimit._keys import check_prefix
+from aiolimit._protocol import Protocol
+from aiolimit._rules import LimitsArg, Rules, check_weight
+from aiolimit._store import Store
+from aiolimit._stores import open_store
+from aiolimit._wire import ACQUIRE, CHECK, REFUND, Call
+
+Identifiers = str | Sequence[str]
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterStatistics:
+    """Counters kept by this limiter object (this process only)."""
+
+    decisions: int
+    allowed: int
+    refused: int
+    errors: int
+    waits: int
+    multi_slot_decisions: int
+    compensations: int
+
+
+class Limiter:
+    """Rate limits several identifiers under several limits each, all or nothing.
+
+    ``store`` is a URL (``redis://``, ``rediss://``, ``unix://``, ``memory://``) or a
+    ``redis.asyncio.Redis`` client you own. ``limits`` is a list of limits for every identifier,
+    or a mapping from identifier kind (the text before the first ``:``) to limits, with ``"*"``
+    as the default rule.
+    """
+
+    def __init__(
+        self,
+        store: str | Any,
+        limits: LimitsArg,
+        *,
+        prefix: str = "aiolimit",
+        clock: Clock | None = None,
+        count_refused: bool = False,
+        socket_timeout: float = 2.0,
+    ) -> None:
+        if not isinstance(count_refused, bool):
+            raise ConfigurationError(f"count_refused must be a bool, got {count_refused!r}")
+        self._rules = Rules(limits, check_prefix(prefix))
+        self._store: Store = open_store(store, socket_timeout=socket_timeout)
+        self.clock: Clock = clock if clock is not None else self._store.default_clock()
+        if not isinstance(self.clock, Clock):
+            raise ConfigurationError(f"clock must implement aiolimit.Clock, got {clock!r}")
+        self._protocol = Protocol(
+            self._run, self._store.slot, self.clock.ttl_slack_ms, count_refused
+        )
+        self._counts = {"decisions": 0, "allowed": 0, "refused": 0, "errors": 0, "waits": 0}
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    @property
+    def limits(self) -> dict[str, tuple[Any, ...]]:
+        """The rules: identifier kind -> limits."""
+        return dict(self._rules.by_kind)
+
+    async def _run(self, calls: Sequence[Call]) -> list[list[int] | BaseException]:
+        if len(calls) == 1:
+            call = calls[0]
+            return [await self._store.run(call.keys, call.args)]
+        return await self._store.run_many([(call.keys, call.args) for call in calls])
+
+    async def _decide(self, mode: str, ids: Identifiers, weight: int) -> Decision:
+        plans = self._rules.plans(ids)
+        check_weight(weight, plans)
+        now = await self.clock.now_us()
+        try:
+            decision = await self._protocol.decide(mode, plans, weight, now)
+        except BaseException:
+            self._counts["errors"] += 1
+            raise
+        return decision
+
+    async def try_acquire(self, ids: Identifiers, weight: int = 1) -> Decision:
+        """Admits and charges ``weight`` on every pair if all have room; never waits."""
+        decision = await self._decide(ACQUIRE, ids, weight)
+        counts = self._counts
+        counts["decisions"] += 1
+        counts["allowed" if decision.allowed else "refused"] += 1
+        return decision
+
+    async def acquire(
+        self, ids: Identifiers, weight: int = 1, *, timeout: float | None = None
+    ) -> Decision:
+        """Like ``try_acquire``, but sleeps ``retry_after`` and tries again until admitted.
+
+        ``timeout=None`` waits as long as it takes, ``timeout=0`` never waits. When the next
+        chance would come after the timeout, it raises ``RateLimited`` at once rather than
+        sleeping in vain.
+        """
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not timeout >= 0  # also rejects NaN
+        ):
+            raise ConfigurationError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+        clock = self.clock
+        deadline = None if timeout is None else clock.monotonic() + timeout
+        while True:
+            decision = await self.try_acquire(ids, weight)
+            if decision.allowed:
+                return decision
+            wait = decision.retry_after
+            if deadline is not None and clock.monotonic() + wait > deadline:
+                raise RateLimited(decision)
+            self._counts["waits"] += 1
+            # A tiny margin: the server rounds to microseconds and its clock ticks on.
+            await clock.sleep(wait + 0.000_5)
+
+    def limit(
+        self, ids: Identifiers, weight: int = 1, *, timeout: float | None = None
+    ) -> Acquisition:
+        """``async with limiter.limit(ids) as decision:`` or ``await limiter.limit(ids)``."""
+        return Acquisition(self, ids, weight, timeout)
+
+    async def peek(self, ids: Identifiers, weight: int = 1) -> Decision:
+        """The decision ``try_acquire`` would make now, charging nothing."""
+        return await self._decide(CHECK, ids, weight)
+
+    async def refund(self, ids: Identifiers, weight: int = 1) -> Decision:
+        """Gives ``weight`` back on every pair (newest charges first, never below zero)."""
+        plans = self._rules.plans(ids)
+        check_weight(weight, [])
+        now = await self.clock.now_us()
+        return await self._protocol.decide(REFUND, plans, weight, now)
+
+    async def reset(self, ids: Identifiers) -> None:
+        """Forgets everything stored for these identifiers."""
+        plans = self._rules.plans(ids)
+        for plan in plans:
+            await self._store.delete(plan.keys)
+
+    def statistics(self) -> LimiterStatistics:
+        protocol = self._protocol.statistics
+        return LimiterStatistics(
+            **self._counts,
+            multi_slot_decisions=protocol.multi_slot,
+            compensations=protocol.compensations,
+        )
+
+    async def aclose(self) -> None:
+        """Closes the connections the limiter opened (not a client you passed in)."""
+        await self._store.aclose()
+
+    async def __aenter__(self) -> Limiter:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"Limiter({self._store.address!r}, {self._rules.by_kind!r}, clock={self.clock!r})"
+
+
+class Acquisition:
+    """What ``Limiter.limit`` returns: awaitable, and an async context manager."""
+
+    def __init__(
+        self, limiter: Limiter, ids: Identifiers, weight: int, timeout: float | None
+    ) -> None:
+        self._limiter = limiter
+        self._ids = ids
+        self._weight = weight
+        self._timeout = timeout
+        self.decision: Decision | None = None
+
+    def __await__(self) -> Generator[Any, None, Decision]:
+        return self._limiter.acquire(self._ids, self._weight, timeout=self._timeout).__await__()
+
+    async def __aenter__(self) -> Decision:
+        self.decision = await self._limiter.acquire(self._ids, self._weight, timeout=self._timeout)
+        return self.decision
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        return None

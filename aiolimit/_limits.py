@@ -1,0 +1,116 @@
+"""Limits: what each (identifier, limit) pair allows.
+
+A limit is a frozen value. It knows how to describe itself to the Lua scripts (`wire`), which
+algorithm code in ``lua/`` judges it, and the largest weight it could ever admit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from aiolimit._errors import ConfigurationError
+
+_UNITS = {
+    "s": 1, "sec": 1, "second": 1, "seconds": 1,
+    "m": 60, "min": 60, "minute": 60, "minutes": 60,
+    "h": 3600, "hr": 3600, "hour": 3600, "hours": 3600,
+    "d": 86400, "day": 86400, "days": 86400,
+}  # fmt: skip
+_PARSE = re.compile(
+    r"^\s*(?P<amount>\d+)\s*(?:/|per)\s*(?P<count>\d+(?:\.\d+)?)?\s*(?P<unit>[a-z]+)\s*$",
+    re.IGNORECASE,
+)
+MAX_AMOUNT = 10**12
+MAX_PERIOD = 10 * 366 * 86400.0  # ten years
+MIN_PERIOD = 0.001
+
+
+def _seconds_text(seconds: float) -> str:
+    for name, size in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
+        if seconds == size:
+            return name
+        if seconds % size == 0:
+            return f"{int(seconds // size)} {name}s"
+    return f"{seconds:g} seconds"
+
+
+def _check_amount(kind: str, amount: object) -> int:
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise ConfigurationError(f"{kind} amount must be an int, got {amount!r}")
+    if not 1 <= amount <= MAX_AMOUNT:
+        raise ConfigurationError(f"{kind} amount must be 1..{MAX_AMOUNT}, got {amount}")
+    return amount
+
+
+def _check_seconds(kind: str, name: str, value: object, *, upper: float = MAX_PERIOD) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{kind} {name} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and MIN_PERIOD <= value <= upper):
+        raise ConfigurationError(
+            f"{kind} {name} must be between {MIN_PERIOD} and {upper:g} seconds, got {value!r}"
+        )
+    return float(value)
+
+
+def _us(seconds: float) -> int:
+    return round(seconds * 1_000_000)
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """At most ``amount`` units per ``per`` seconds: a sliding window counter.
+
+    The window is made of buckets ``precision`` seconds wide (default: ``per``, which makes it
+    a calendar-aligned fixed window). ``Limit(240, per=3600, precision=60)`` counts the last 60
+    one-minute buckets, so a burst at the end of one hour cannot be repeated at the start of the
+    next. Finer precision is more exact and stores more buckets.
+    """
+
+    amount: int
+    per: float
+    precision: float | None = None
+    _wire: tuple[str, int, int, int] = field(init=False, repr=False, compare=False)
+
+    algorithm: ClassVar[str] = "sw"
+
+    def __post_init__(self) -> None:
+        _check_amount("Limit", self.amount)
+        per = _check_seconds("Limit", "per", self.per)
+        precision = per
+        if self.precision is not None:
+            precision = _check_seconds("Limit", "precision", self.precision, upper=per)
+        object.__setattr__(self, "per", per)
+        object.__setattr__(self, "precision", precision)
+        object.__setattr__(self, "_wire", ("sw", self.amount, _us(per), _us(precision)))
+
+    @classmethod
+    def parse(cls, text: str) -> Limit:
+        """``"10/second"``, ``"120/minute"``, ``"240 per hour"``, ``"5/10s"``, ``"1000/day"``."""
+        match = _PARSE.match(text) if isinstance(text, str) else None
+        unit = _UNITS.get(match["unit"].lower()) if match else None
+        if match is None or unit is None:
+            raise ConfigurationError(
+                f"cannot parse limit {text!r}; expected '<amount>/<unit>' or '<amount> per "
+                "[<n>] <unit>' with unit second, minute, hour or day (or s, m, h, d)"
+            )
+        count = float(match["count"]) if match["count"] else 1.0
+        return cls(int(match["amount"]), per=count * unit)
+
+    @property
+    def max_weight(self) -> int:
+        """The largest weight this limit could ever admit in one call."""
+        return self.amount
+
+    @property
+    def wire(self) -> tuple[str, int, int, int]:
+        """(algorithm code, amount, period µs, parameter) as the Lua scripts take them."""
+        return self._wire
+
+    def __str__(self) -> str:
+        text = f"{self.amount}/{_seconds_text(self.per)}"
+        if self.precision != self.per:
+            text += f" (precision {self.precision:g}s)"
+        return text

@@ -1,0 +1,149 @@
+"""The decision protocol: one atomic call per slot, and two phases across slots.
+
+Orchestration only: it groups identifier plans by slot and calls an abstract ``Runner`` (run
+these script calls concurrently, return each reply or error), so it is tested without a server.
+
+- One slot (standalone Redis, the embedded store, or a cluster call whose identifiers share a
+  slot): a single atomic call decides and charges.
+- Several slots (Redis Cluster):
+  1. check: a read-only call per slot, all concurrently. Any refusal ends the decision; nothing
+     was written anywhere.
+  2. commit: an ``acquire`` per slot with one operation id, concurrently; each re-checks and
+     charges atomically and records the op.
+  3. compensate: if a commit was refused (another client won the race between the phases) or
+     failed, every other slot is sent a ``refund`` of that op. A refund credits exactly what
+     the op charged there, once, and tombstones the op so a late commit cannot charge. The
+     final state equals "never happened".
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from aiolimit._decision import Decision
+from aiolimit._rules import IdentifierPlan
+from aiolimit._wire import ACQUIRE, CHECK, REFUND, Call, Reply, decision, decode, encode
+
+RawReply = list[int]
+Runner = Callable[[Sequence[Call]], Awaitable[list[RawReply | BaseException]]]
+SlotOf = Callable[[str], int]
+
+
+@dataclass(slots=True)
+class ProtocolStatistics:
+    """How often the cross-slot path ran, and how often it had to undo a commit."""
+
+    single_slot: int = 0
+    multi_slot: int = 0
+    refused_at_check: int = 0
+    compensations: int = 0
+    compensation_errors: int = 0
+    slots_per_call: dict[int, int] = field(default_factory=dict)
+
+
+def new_op_id() -> str:
+    return uuid.uuid4().hex
+
+
+def group_by_slot(plans: Sequence[IdentifierPlan], slot_of: SlotOf) -> list[list[IdentifierPlan]]:
+    groups: dict[int, list[IdentifierPlan]] = {}
+    for plan in plans:
+        groups.setdefault(slot_of(plan.keys[0]), []).append(plan)
+    return list(groups.values())
+
+
+def _merge(replies: Sequence[Reply]) -> Decision:
+    pairs = tuple(pair for reply in replies for pair in reply.pairs)
+    return decision(Reply(all(r.allowed for r in replies), False, 0, pairs))
+
+
+def _first_error(results: Sequence[RawReply | BaseException]) -> BaseException | None:
+    for result in results:
+        if isinstance(result, BaseException):
+            return result
+    return None
+
+
+class Protocol:
+    """Decides over any set of identifier plans on a store reached through ``run``."""
+
+    def __init__(self, run: Runner, slot_of: SlotOf, slack_ms: int, penalty: bool) -> None:
+        self._run = run
+        self._slot_of = slot_of
+        self._slack_ms = slack_ms
+        self._penalty = penalty
+        self.statistics = ProtocolStatistics()
+
+    def _calls(
+        self, mode: str, groups: Sequence[Sequence[IdentifierPlan]], weight: int,
+        now_us: int | None, op: str = "",
+    ) -> list[Call]:  # fmt: skip
+        return [
+            encode(mode, group, weight, now_us, self._slack_ms, op, self._penalty)
+            for group in groups
+        ]
+
+    async def _replies(self, calls: Sequence[Call]) -> list[Reply]:
+        results = await self._run(calls)
+        error = _first_error(results)
+        if error is not None:
+            raise error
+        return [decode(call, result) for call, result in zip(calls, results, strict=True)]  # type: ignore[arg-type]
+
+    async def decide(
+        self, mode: str, plans: Sequence[IdentifierPlan], weight: int, now_us: int | None,
+        op: str = "",
+    ) -> Decision:  # fmt: skip
+        """Runs ``mode`` (acquire, check or refund) over every plan, all or nothing."""
+        groups = group_by_slot(plans, self._slot_of)
+        if len(groups) == 1:
+            self.statistics.single_slot += 1
+            return _merge(await self._replies(self._calls(mode, groups, weight, now_us, op)))
+        self.statistics.multi_slot += 1
+        counts = self.statistics.slots_per_call
+        counts[len(groups)] = counts.get(len(groups), 0) + 1
+        if mode != ACQUIRE:
+            # check and refund touch each slot independently; there is nothing to undo.
+            return _merge(await self._replies(self._calls(mode, groups, weight, now_us, op)))
+        return await self._two_phase(groups, weight, now_us)
+
+    async def _two_phase(
+        self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, now_us: int | None
+    ) -> Decision:
+        if not self._penalty:
+            checked = await self._replies(self._calls(CHECK, groups, weight, now_us))
+            if not all(reply.allowed for reply in checked):
+                self.statistics.refused_at_check += 1
+                return _merge(checked)
+        op = new_op_id()
+        calls = self._calls(ACQUIRE, groups, weight, now_us, op)
+        results = await self._run(calls)
+        replies: list[Reply | None] = [
+            None if isinstance(result, BaseException) else decode(call, result)
+            for call, result in zip(calls, results, strict=True)
+        ]
+        error = _first_error(results)
+        if error is None and all(reply is not None and reply.allowed for reply in replies):
+            return _merge([reply for reply in replies if reply is not None])
+        if self._penalty and error is None:
+            return _merge([reply for reply in replies if reply is not None])
+        # Undo: refund the op on every slot whose commit may have charged (allowed, or no
+        # reply at all). Slots that refused charged nothing; the refund's tombstone is
+        # harmless there, so they are skipped only to save a round trip.
+        self.statistics.compensations += 1
+        undo = [
+            call
+            for call, reply in zip(calls, replies, strict=True)
+            if reply is None or reply.allowed
+        ]
+        refunds = [encode(REFUND, call.plans, weight, now_us, self._slack_ms, op) for call in undo]
+        refund_results = await self._run(refunds)
+        refund_error = _first_error(refund_results)
+        if refund_error is not None:
+            self.statistics.compensation_errors += 1
+            raise refund_error
+        if error is not None:
+            raise error
+        return _merge([reply for reply in replies if reply is not None])

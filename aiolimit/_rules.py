@@ -1,0 +1,147 @@
+"""Rules: which limits apply to an identifier, and the boundary checks on every call.
+
+An identifier's kind is the text before its first ``:`` (``"ip:203.0.113.7"`` is of kind
+``ip``). Rules map kinds to limits; ``"*"`` is the default for kinds without a rule of their own.
+A plain sequence of limits is the rule ``{"*": limits}``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, TypeAlias
+
+from aiolimit._errors import ConfigurationError, InvalidRequestError, WeightNeverFits
+from aiolimit._keys import aux_key, identifier_kind, main_key
+from aiolimit._limits import Limit
+
+AnyLimit: TypeAlias = Any  # Limit or any other algorithm's value type (see _limits.py)
+LimitsArg: TypeAlias = "Sequence[AnyLimit] | Mapping[str, Sequence[AnyLimit]]"
+MAX_WEIGHT = 10**12
+
+
+@dataclass(frozen=True, slots=True)
+class IdentifierPlan:
+    """What one identifier contributes to a script call, with key indexes relative to it."""
+
+    identifier: str
+    limits: tuple[AnyLimit, ...]
+    keys: tuple[str, ...]
+    # Per limit: aux key index relative to this plan (0 = the main key, -1 = none), and the
+    # (algorithm, amount, period µs, param) the script takes.
+    pairs: tuple[tuple[int, str, int, int, int], ...]
+    max_weight: int
+
+
+def _is_limit(value: object) -> bool:
+    return hasattr(value, "wire") and hasattr(value, "max_weight")
+
+
+def _check_limits(kind: str, limits: object) -> tuple[AnyLimit, ...]:
+    if isinstance(limits, (str, bytes)) or not isinstance(limits, Iterable):
+        raise ConfigurationError(f"limits for {kind!r} must be a list of limits, got {limits!r}")
+    checked = tuple(Limit.parse(x) if isinstance(x, str) else x for x in limits)
+    for limit in checked:
+        if not _is_limit(limit):
+            raise ConfigurationError(
+                f"limits for {kind!r} must be Limit objects or strings like '10/second', "
+                f"got {limit!r}"
+            )
+    if len(set(checked)) != len(checked):
+        raise ConfigurationError(f"limits for {kind!r} list the same limit twice: {checked}")
+    return checked
+
+
+class Rules:
+    """The limits per identifier kind, and the per-identifier plans built from them."""
+
+    def __init__(self, limits: LimitsArg, prefix: str) -> None:
+        if isinstance(limits, Mapping):
+            if not limits:
+                raise ConfigurationError("limits must name at least one kind (or '*')")
+            rules = {}
+            for kind, items in limits.items():
+                if not isinstance(kind, str) or not kind or (":" in kind and kind != "*"):
+                    raise ConfigurationError(
+                        f"a rule's kind must be non-empty text without ':' (or '*'), got {kind!r}"
+                    )
+                rules[kind] = _check_limits(kind, items)
+        else:
+            rules = {"*": _check_limits("*", limits)}
+        if not any(rules.values()):
+            raise ConfigurationError("at least one limit must be configured")
+        self.by_kind: dict[str, tuple[AnyLimit, ...]] = rules
+        self.prefix = prefix
+        self.plan = lru_cache(maxsize=65536)(self._plan)
+
+    def limits_for(self, identifier: str) -> tuple[AnyLimit, ...]:
+        kind = identifier_kind(identifier)
+        limits = self.by_kind.get(kind)
+        if limits is None:
+            limits = self.by_kind.get("*")
+        if limits is None:
+            raise InvalidRequestError(
+                f"no limits for identifier {identifier!r} of kind {kind!r}; configured kinds: "
+                f"{sorted(self.by_kind)} (add a '*' rule for a default)"
+            )
+        return limits
+
+    def _plan(self, identifier: str) -> IdentifierPlan:
+        limits = self.limits_for(identifier)
+        keys = [main_key(self.prefix, identifier)]
+        pairs = []
+        for limit in limits:
+            suffix = getattr(limit, "aux_suffix", None)
+            aux = -1
+            if suffix is not None:
+                aux = len(keys)
+                keys.append(aux_key(self.prefix, identifier, suffix))
+            pairs.append((aux, *limit.wire))
+        max_weight = min((limit.max_weight for limit in limits), default=MAX_WEIGHT)
+        return IdentifierPlan(identifier, limits, tuple(keys), tuple(pairs), max_weight)
+
+    def plans(self, ids: object) -> list[IdentifierPlan]:
+        """Validates a call's identifiers; duplicates count once, order is kept."""
+        if isinstance(ids, str):
+            ids = (ids,)
+        elif not isinstance(ids, (list, tuple, set, frozenset)):
+            raise InvalidRequestError(
+                f"identifiers must be a str or a list/tuple of str, got {type(ids).__name__}"
+            )
+        if not ids:
+            raise InvalidRequestError("at least one identifier is needed, got none")
+        seen: dict[str, None] = {}
+        for identifier in ids:
+            if not isinstance(identifier, str):
+                raise InvalidRequestError(
+                    f"identifiers must be str, got {identifier!r} ({type(identifier).__name__})"
+                )
+            if not identifier:
+                raise InvalidRequestError("an identifier must not be the empty string")
+            seen[identifier] = None
+        return [self.plan(identifier) for identifier in seen]
+
+    def all_keys(self, identifier: str) -> tuple[str, ...]:
+        return self.plan(identifier).keys
+
+
+def check_weight(weight: object, plans: Sequence[IdentifierPlan]) -> int:
+    """A weight is a positive int no larger than the smallest limit that applies."""
+    if isinstance(weight, bool) or not isinstance(weight, int):
+        if isinstance(weight, float) and not math.isfinite(weight):
+            raise InvalidRequestError(f"weight must be a positive int, got {weight!r}")
+        raise InvalidRequestError(
+            f"weight must be a positive int, got {weight!r} ({type(weight).__name__})"
+        )
+    if weight < 1:
+        raise InvalidRequestError(f"weight must be a positive int, got {weight}")
+    for plan in plans:
+        if weight > plan.max_weight:
+            binding = min(plan.limits, key=lambda limit: limit.max_weight)
+            raise WeightNeverFits(
+                f"weight {weight} can never be admitted for {plan.identifier!r}: its limit "
+                f"{binding} admits at most {binding.max_weight} at once"
+            )
+    return weight

@@ -1,0 +1,182 @@
+-- aiolimit: decide (the entry point; concatenated last, after prelude.lua and the algorithms)
+--
+-- One call decides for every (identifier, limit) pair it is given, all or nothing.
+-- KEYS[k]   storage keys. Each identifier has a main HASH key <prefix>:{<id>}; algorithms
+--           with a structure of their own use an aux key with the same hash tag (same slot).
+-- ARGV[1]   mode: "acquire" decide; charge every pair only if every pair allows
+--                 "check"   decide; write nothing (peek, and phase 1 across cluster slots)
+--                 "refund"  give weight back on every pair
+-- ARGV[2]   now: integer µs since the epoch, or "" to use this server's TIME
+-- ARGV[3]   weight: positive integer
+-- ARGV[4]   TTL slack: integer ms added to every TTL (a manual clock's time is not Redis')
+-- ARGV[5]   op id, "" for none. With an op id the LAST key is the op's record (a STRING,
+--           same slot): acquire writes "A:<µs>,<µs>..." (the time it charged each main key,
+--           in order of first appearance) and, when run again with the same id, replays
+--           (charges nothing). refund credits exactly what that op charged, once, and leaves
+--           "R:..." so a late or retried acquire of the op cannot charge. Records expire.
+-- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway)
+-- ARGV[7]   P, the number of pairs
+-- ARGV[8 + 6(i-1) .. 13 + 6(i-1)]  pair i: main key index, aux key index (0 = none),
+--           algorithm code ("sw", ...), amount (integer), period (integer µs),
+--           param (integer; meaning per algorithm, see its header)
+-- Reply: {allowed 1|0, replay 1|0, now µs,
+--         then per pair i: allowed 1|0, remaining, retry_after µs, reset_after µs}
+--         replay is 1 when the op id had already been applied (or refunded: allowed is 0 then).
+
+local mode = ARGV[1]
+local now
+if ARGV[2] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+else
+  now = tonumber(ARGV[2])
+end
+local weight = tonumber(ARGV[3])
+local slack = tonumber(ARGV[4])
+local op = ARGV[5]
+local penalty = ARGV[6] == 'p'
+local npairs = tonumber(ARGV[7])
+
+local pairs_ = {}
+for i = 1, npairs do
+  local base = 8 + 6 * (i - 1)
+  local pair = {
+    main = KEYS[tonumber(ARGV[base])],
+    aux = KEYS[tonumber(ARGV[base + 1])],
+    algo = ALGORITHMS[ARGV[base + 2]],
+    amount = tonumber(ARGV[base + 3]),
+    period_s = ARGV[base + 4],
+    period = tonumber(ARGV[base + 4]),
+    param_s = ARGV[base + 5],
+    param = tonumber(ARGV[base + 5]),
+  }
+  if not pair.algo then
+    return redis.error_reply('ERR aiolimit: unknown algorithm ' .. ARGV[base + 2])
+  end
+  pairs_[i] = pair
+end
+
+-- Each identifier judges by max(now, its last write): its time never runs backwards.
+local mains = {}
+local function now_for(s)
+  if s.t > now then return s.t end
+  return now
+end
+for i = 1, npairs do
+  local s = load_main(pairs_[i].main)
+  if not mains[s.key] then
+    mains[s.key] = s
+    mains[#mains + 1] = s
+  end
+  pairs_[i].s = s
+end
+
+local function flush()
+  for _, s in ipairs(mains) do
+    if s.dirty then
+      stage_set(s, 't', fmt(now_for(s)))
+      local hset = {}
+      for field, value in pairs(s.set) do
+        hset[#hset + 1] = field
+        hset[#hset + 1] = value
+      end
+      redis.call('HSET', s.key, unpack(hset))
+      local hdel = {}
+      for field, _ in pairs(s.del) do hdel[#hdel + 1] = field end
+      if #hdel > 0 then redis.call('HDEL', s.key, unpack(hdel)) end
+      redis.call('PEXPIRE', s.key, s.ttl_ms + slack)
+    end
+  end
+end
+
+local op_key = nil
+if op ~= '' then op_key = KEYS[#KEYS] end
+
+local function op_record()
+  if not op_key then return nil end
+  local rec = redis.call('GET', op_key)
+  if not rec then return nil end
+  return rec
+end
+
+local function op_write(tag, times)
+  redis.call('SET', op_key, tag .. ':' .. table.concat(times, ','), 'PX', OP_RETENTION_MS + slack)
+end
+
+local function decide_all(w)
+  local reply = {0, 0, now}
+  local all = true
+  for i, pair in ipairs(pairs_) do
+    local ok, remaining, retry, reset = pair.algo.check(pair.s, pair, now_for(pair.s), w)
+    if not ok then all = false end
+    local base = 4 + 4 * (i - 1)
+    reply[base] = ok and 1 or 0
+    reply[base + 1] = remaining
+    reply[base + 2] = retry
+    reply[base + 3] = reset
+  end
+  reply[1] = all and 1 or 0
+  return reply, all
+end
+
+if mode == 'check' then
+  local reply = decide_all(weight)
+  return reply
+end
+
+if mode == 'acquire' then
+  local rec = op_record()
+  if rec then
+    local reply = decide_all(weight)
+    reply[1] = string.sub(rec, 1, 1) == 'A' and 1 or 0
+    reply[2] = 1
+    return reply
+  end
+  local reply, all = decide_all(weight)
+  if all or penalty then
+    for _, pair in ipairs(pairs_) do
+      pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op)
+    end
+    flush()
+    if op_key and all then
+      local times = {}
+      for i, s in ipairs(mains) do times[i] = fmt(now_for(s)) end
+      op_write('A', times)
+    end
+  end
+  -- An algorithm's check, when it allows, already reports the state after the charge.
+  return reply
+end
+
+if mode == 'refund' then
+  local replay = 0
+  local at = {}
+  if op_key then
+    local rec = op_record()
+    if rec and string.sub(rec, 1, 1) == 'A' then
+      local i = 0
+      for time in string.gmatch(string.sub(rec, 3), '%d+') do
+        i = i + 1
+        if mains[i] then at[mains[i].key] = tonumber(time) end
+      end
+      op_write('R', {string.sub(rec, 3)})
+    else
+      -- Refunded already, or never applied here: credit nothing, and tombstone it so a late
+      -- acquire of this op cannot charge.
+      replay = 1
+      if not rec then op_write('R', {}) end
+    end
+  end
+  if replay == 0 then
+    for _, pair in ipairs(pairs_) do
+      pair.algo.refund(pair.s, pair, now_for(pair.s), weight, at[pair.s.key], op)
+    end
+    flush()
+  end
+  -- The state after the refund, as a request of weight 0 sees it.
+  local reply = decide_all(0)
+  reply[2] = replay
+  return reply
+end
+
+return redis.error_reply('ERR aiolimit: unknown mode ' .. tostring(mode))

@@ -1,0 +1,55 @@
+-- aiolimit: prelude (shared by every algorithm; concatenated first by the script loader)
+--
+-- Not a script on its own. The loader (aiolimit/_scripts.py) builds ONE script from
+--   prelude.lua, then every algorithm file (each adds an entry to ALGORITHMS), then decide.lua
+-- so that a decision over any mix of algorithms is one atomic call.
+--
+-- Per-identifier state lives in one HASH, the identifier's "main key" (<prefix>:{<id>}):
+--   t              last time (µs) this identifier was written; time never runs backwards
+--   <algorithm fields>, named by each algorithm (see their headers)
+-- Times are integers in microseconds; they are never formatted with tostring (Lua 5.1 would
+-- print 1.7e+15), always with string.format('%d').
+
+local ALGORITHMS = {}
+local OP_RETENTION_MS = 120000  -- op records outlive any retry of the op that wrote them
+
+local function fmt(n)
+  return string.format('%d', n)
+end
+
+-- Loads a main key once per script call. Algorithms read `fields` and stage writes in `set`
+-- and `del`; decide.lua flushes them with one HSET, one HDEL and one PEXPIRE per key.
+local loaded = {}
+local function load_main(key)
+  local s = loaded[key]
+  if s then return s end
+  local flat = redis.call('HGETALL', key)
+  local fields = {}
+  for i = 1, #flat, 2 do
+    fields[flat[i]] = flat[i + 1]
+  end
+  s = {key = key, fields = fields, t = tonumber(fields['t']) or 0,
+       set = {}, del = {}, ttl_ms = 0, dirty = false}
+  loaded[key] = s
+  return s
+end
+
+local function stage_set(s, field, value)
+  s.fields[field] = value
+  s.set[field] = value
+  s.del[field] = nil
+  s.dirty = true
+end
+
+local function stage_del(s, field)
+  if s.fields[field] ~= nil then
+    s.fields[field] = nil
+    s.set[field] = nil
+    s.del[field] = true
+    s.dirty = true
+  end
+end
+
+local function want_ttl(s, ms)
+  if ms > s.ttl_ms then s.ttl_ms = ms end
+end
