@@ -60,7 +60,11 @@ class Limiter:
         if not isinstance(self.clock, Clock):
             raise ConfigurationError(f"clock must implement aiolimit.Clock, got {clock!r}")
         self._protocol = Protocol(
-            self._run, self._store.slot, self.clock.ttl_slack_ms, count_refused
+            self._run,
+            self._store.slot,
+            self.clock.ttl_slack_ms,
+            count_refused,
+            always_op_ids=self._store.retries_calls,
         )
         self._counts = {"decisions": 0, "allowed": 0, "refused": 0, "errors": 0, "waits": 0}
 

@@ -11,7 +11,7 @@ these script calls concurrently, return each reply or error), so it is tested wi
   2. commit: an ``acquire`` per slot with one operation id, concurrently; each re-checks and
      charges atomically and records the op.
   3. compensate: if a commit was refused (another client won the race between the phases) or
-     failed, every other slot is sent a ``refund`` of that op. A refund credits exactly what
+     failed, every other slot is sent an ``undo`` of that op. An undo credits exactly what
      the op charged there, once, and tombstones the op so a late commit cannot charge. The
      final state equals "never happened".
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from aiolimit._decision import Decision
 from aiolimit._rules import IdentifierPlan
-from aiolimit._wire import ACQUIRE, CHECK, REFUND, Call, Reply, decision, decode, encode
+from aiolimit._wire import ACQUIRE, CHECK, UNDO, Call, Reply, decision, decode, encode
 
 RawReply = list[int]
 Runner = Callable[[Sequence[Call]], Awaitable[list[RawReply | BaseException]]]
@@ -69,7 +69,13 @@ def _first_error(results: Sequence[RawReply | BaseException]) -> BaseException |
 class Protocol:
     """Decides over any set of identifier plans on a store reached through ``run``."""
 
-    def __init__(self, run: Runner, slot_of: SlotOf, slack_ms: int, penalty: bool) -> None:
+    def __init__(
+        self, run: Runner, slot_of: SlotOf, slack_ms: int, penalty: bool, *,
+        always_op_ids: bool = False,
+    ) -> None:  # fmt: skip
+        # With always_op_ids every charging call carries an op id, so a runner may retry any
+        # call after a lost reply without charging twice (the cluster store does).
+        self._always_op_ids = always_op_ids
         self._run = run
         self._slot_of = slot_of
         self._slack_ms = slack_ms
@@ -98,6 +104,8 @@ class Protocol:
     ) -> Decision:  # fmt: skip
         """Runs ``mode`` (acquire, check or refund) over every plan, all or nothing."""
         groups = group_by_slot(plans, self._slot_of)
+        if not op and self._always_op_ids and mode != CHECK:
+            op = new_op_id()
         if len(groups) == 1:
             self.statistics.single_slot += 1
             return _merge(await self._replies(self._calls(mode, groups, weight, now_us, op)))
@@ -107,17 +115,17 @@ class Protocol:
         if mode != ACQUIRE:
             # check and refund touch each slot independently; there is nothing to undo.
             return _merge(await self._replies(self._calls(mode, groups, weight, now_us, op)))
-        return await self._two_phase(groups, weight, now_us)
+        return await self._two_phase(groups, weight, now_us, op or new_op_id())
 
     async def _two_phase(
-        self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, now_us: int | None
-    ) -> Decision:
+        self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, now_us: int | None,
+        op: str,
+    ) -> Decision:  # fmt: skip
         if not self._penalty:
             checked = await self._replies(self._calls(CHECK, groups, weight, now_us))
             if not all(reply.allowed for reply in checked):
                 self.statistics.refused_at_check += 1
                 return _merge(checked)
-        op = new_op_id()
         calls = self._calls(ACQUIRE, groups, weight, now_us, op)
         results = await self._run(calls)
         replies: list[Reply | None] = [
@@ -138,7 +146,7 @@ class Protocol:
             for call, reply in zip(calls, replies, strict=True)
             if reply is None or reply.allowed
         ]
-        refunds = [encode(REFUND, call.plans, weight, now_us, self._slack_ms, op) for call in undo]
+        refunds = [encode(UNDO, call.plans, weight, now_us, self._slack_ms, op) for call in undo]
         refund_results = await self._run(refunds)
         refund_error = _first_error(refund_results)
         if refund_error is not None:

@@ -46,6 +46,9 @@ class Store(ABC):
 
     #: Where it points, for messages ("redis://127.0.0.1:6379/0", "memory://").
     address: str
+    #: True if ``run`` may send a call again after a lost reply; the protocol then gives every
+    #: charging call an op id, which the scripts apply once.
+    retries_calls: bool = False
 
     @abstractmethod
     async def run(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:

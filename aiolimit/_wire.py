@@ -15,6 +15,7 @@ from aiolimit._rules import IdentifierPlan
 ACQUIRE = "acquire"
 CHECK = "check"
 REFUND = "refund"
+UNDO = "undo"
 PAIR_ARGS = 6
 REPLY_HEAD = 3
 REPLY_PER_PAIR = 4

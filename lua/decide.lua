@@ -5,15 +5,18 @@
 --           with a structure of their own use an aux key with the same hash tag (same slot).
 -- ARGV[1]   mode: "acquire" decide; charge every pair only if every pair allows
 --                 "check"   decide; write nothing (peek, and phase 1 across cluster slots)
---                 "refund"  give weight back on every pair
+--                 "refund"  give weight back on every pair (newest charges first); with an
+--                           op id it is applied once (a retry replays)
+--                 "undo"    with an op id: credit exactly what that acquire op charged
 -- ARGV[2]   now: integer µs since the epoch, or "" to use this server's TIME
 -- ARGV[3]   weight: positive integer
 -- ARGV[4]   TTL slack: integer ms added to every TTL (a manual clock's time is not Redis')
 -- ARGV[5]   op id, "" for none. With an op id the LAST key is the op's record (a STRING,
 --           same slot): acquire writes "A:<µs>,<µs>..." (the time it charged each main key,
 --           in order of first appearance) and, when run again with the same id, replays
---           (charges nothing). refund credits exactly what that op charged, once, and leaves
---           "R:..." so a late or retried acquire of the op cannot charge. Records expire.
+--           (charges nothing). undo credits exactly what that op charged, once, and leaves
+--           "R:..." so a late or retried acquire of the op cannot charge. refund writes "F:".
+--           Records expire after OP_RETENTION_MS.
 -- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway)
 -- ARGV[7]   P, the number of pairs
 -- ARGV[8 + 6(i-1) .. 13 + 6(i-1)]  pair i: main key index, aux key index (0 = none),
@@ -148,24 +151,26 @@ if mode == 'acquire' then
   return reply
 end
 
-if mode == 'refund' then
+if mode == 'refund' or mode == 'undo' then
   local replay = 0
   local at = {}
-  if op_key then
-    local rec = op_record()
-    if rec and string.sub(rec, 1, 1) == 'A' then
-      local i = 0
-      for time in string.gmatch(string.sub(rec, 3), '%d+') do
-        i = i + 1
-        if mains[i] then at[mains[i].key] = tonumber(time) end
-      end
-      op_write('R', {string.sub(rec, 3)})
-    else
-      -- Refunded already, or never applied here: credit nothing, and tombstone it so a late
-      -- acquire of this op cannot charge.
-      replay = 1
-      if not rec then op_write('R', {}) end
+  local rec = op_record()
+  if mode == 'refund' then
+    if rec then replay = 1 elseif op_key then op_write('F', {}) end
+  elseif not op_key then
+    return redis.error_reply('ERR aiolimit: undo needs an op id')
+  elseif rec and string.sub(rec, 1, 1) == 'A' then
+    local i = 0
+    for time in string.gmatch(string.sub(rec, 3), '%d+') do
+      i = i + 1
+      if mains[i] then at[mains[i].key] = tonumber(time) end
     end
+    op_write('R', {string.sub(rec, 3)})
+  else
+    -- Undone already, or never applied here: credit nothing, and tombstone it so a late
+    -- acquire of this op cannot charge.
+    replay = 1
+    if not rec then op_write('R', {}) end
   end
   if replay == 0 then
     for _, pair in ipairs(pairs_) do
