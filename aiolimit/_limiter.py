@@ -9,7 +9,8 @@ from typing import Any
 
 from aiolimit._clock import Clock
 from aiolimit._decision import Decision
-from aiolimit._errors import ConfigurationError, RateLimited
+from aiolimit._errors import BackendError, ConfigurationError, RateLimited
+from aiolimit._failure import BreakerStatistics, CircuitBreaker, FailurePolicy, OnError
 from aiolimit._keys import check_prefix
 from aiolimit._protocol import Protocol
 from aiolimit._rules import LimitsArg, Rules, check_weight
@@ -31,6 +32,8 @@ class LimiterStatistics:
     waits: int
     multi_slot_decisions: int
     compensations: int
+    #: The failure policy's circuit breaker: state and counters (see ``aiolimit._failure``).
+    breaker: BreakerStatistics
 
 
 class Limiter:
@@ -51,7 +54,20 @@ class Limiter:
         clock: Clock | None = None,
         count_refused: bool = False,
         socket_timeout: float = 2.0,
+        deadline: float | None = 1.0,
+        on_error: OnError = "raise",
+        failure_threshold: int = 5,
+        recovery_time: float = 1.0,
     ) -> None:
+        # Failure policy (aiolimit._failure): each decision gets `deadline` seconds; a store
+        # failure raises, admits ("open") or refuses ("closed") with degraded=True; after
+        # `failure_threshold` failures in a row the breaker stops asking the store for
+        # `recovery_time` seconds, then probes.
+        self._failure = FailurePolicy(
+            deadline=deadline,
+            on_error=on_error,
+            breaker=CircuitBreaker(failure_threshold, recovery_time),
+        )
         if not isinstance(count_refused, bool):
             raise ConfigurationError(f"count_refused must be a bool, got {count_refused!r}")
         self._rules = Rules(limits, check_prefix(prefix))
@@ -86,12 +102,21 @@ class Limiter:
     async def _decide(self, mode: str, ids: Identifiers, weight: int) -> Decision:
         plans = self._rules.plans(ids)
         check_weight(weight, plans)
-        now = await self.clock.now_us()
+        failure = self._failure
+        if not failure.breaker.allow():
+            return failure.short_circuit()
         try:
-            decision = await self._protocol.decide(mode, plans, weight, now)
+            with failure.deadline():
+                now = await self.clock.now_us()
+                decision = await self._protocol.decide(mode, plans, weight, now)
+        except BackendError as exc:
+            self._counts["errors"] += 1
+            return failure.failed(exc)
         except BaseException:
             self._counts["errors"] += 1
+            failure.breaker.record_abandoned()
             raise
+        failure.breaker.record_success()
         return decision
 
     async def try_acquire(self, ids: Identifiers, weight: int = 1) -> Decision:
@@ -144,8 +169,10 @@ class Limiter:
         """Gives ``weight`` back on every pair (newest charges first, never below zero)."""
         plans = self._rules.plans(ids)
         check_weight(weight, [])
-        now = await self.clock.now_us()
-        return await self._protocol.decide(REFUND, plans, weight, now)
+        self._failure.check_open()
+        with self._failure.deadline():
+            now = await self.clock.now_us()
+            return await self._protocol.decide(REFUND, plans, weight, now)
 
     async def reset(self, ids: Identifiers) -> None:
         """Forgets everything stored for these identifiers."""
@@ -159,6 +186,7 @@ class Limiter:
             **self._counts,
             multi_slot_decisions=protocol.multi_slot,
             compensations=protocol.compensations,
+            breaker=self._failure.statistics(),
         )
 
     async def aclose(self) -> None:

@@ -1,0 +1,297 @@
+"""The failure policy: a deadline per decision, what to answer when the store fails, and a
+circuit breaker that stops paying that deadline while the store is down.
+
+- **Deadline.** Every decision (``try_acquire``, one round of ``acquire``, ``peek``,
+  ``refund``) must finish within ``deadline`` seconds, or it fails with ``BackendUnavailable``.
+  A stopped Redis accepts TCP and then never answers; without a deadline each request would
+  hang until the socket timeout.
+- **Policy** (``on_error``): ``"raise"`` lets the ``BackendError`` through; ``"open"`` admits
+  and marks the decision ``degraded``; ``"closed"`` refuses and marks it ``degraded`` (the web
+  integrations answer 503, never 429: a store failure is not "limited").
+- **Breaker.** After ``failure_threshold`` failures in a row it opens: decisions get the
+  policy's answer at once, without touching the store. After ``recovery_time`` seconds one
+  decision is let through as a probe (half-open); its success closes the breaker, its failure
+  opens it again for another ``recovery_time``. One log line (logger ``"aiolimit"``) per state
+  change.
+
+Deadline contract for stores (the cluster store's retries use it): while a decision runs, the
+context variable ``DECISION_DEADLINE`` holds the absolute ``time.monotonic()`` by which it must
+be done, or ``None`` when the limiter has no deadline; ``time_left()`` says how many seconds
+remain. A store that retries should not start a retry or a backoff sleep that ends past it. The
+limiter enforces the deadline anyway with a cancel scope, so a store that ignores it is cut off.
+Child tasks (``asyncio.gather`` in ``run_many``) inherit the variable with the context.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal, NoReturn
+
+import anyio
+
+from aiolimit._decision import Decision
+from aiolimit._errors import BackendError, BackendUnavailable, ConfigurationError
+
+OnError = Literal["open", "closed", "raise"]
+ON_ERROR_CHOICES = ("open", "closed", "raise")
+BreakerState = Literal["closed", "open", "half_open"]
+
+logger = logging.getLogger("aiolimit")
+
+#: Absolute ``time.monotonic()`` by which the running decision must be done (None: no limit).
+DECISION_DEADLINE: ContextVar[float | None] = ContextVar("aiolimit_decision_deadline", default=None)
+
+
+def time_left() -> float | None:
+    """Seconds left before the running decision's deadline (may be <= 0); None if unbounded."""
+    deadline = DECISION_DEADLINE.get()
+    return None if deadline is None else deadline - time.monotonic()
+
+
+class DeadlineExceeded(BackendUnavailable):
+    """The decision did not finish within the limiter's deadline (private: catch the parent)."""
+
+
+def _check_seconds(name: str, value: object, *, allow_none: bool) -> float | None:
+    if value is None and allow_none:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and 0 < value <= 3600)
+    ):
+        allowed = "None or " if allow_none else ""
+        raise ConfigurationError(f"{name} must be {allowed}0 < seconds <= 3600, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerStatistics:
+    """The breaker's state and counters (this process only)."""
+
+    state: BreakerState
+    #: Store failures seen (timeouts included), whether or not they opened the breaker.
+    failures: int
+    #: Times the breaker went from closed or half-open to open.
+    opened: int
+    #: Decisions answered by the policy without asking the store (breaker open).
+    short_circuited: int
+    #: Decisions answered by the policy (``degraded=True``), short-circuited or failed.
+    degraded: int
+    #: Decisions that hit the deadline.
+    timeouts: int
+
+
+class CircuitBreaker:
+    """Closed -> open after ``failure_threshold`` failures in a row; one probe after
+    ``recovery_time`` seconds (half-open) closes it or opens it again.
+
+    Not thread-safe: one breaker belongs to one event loop, like the limiter that owns it.
+    """
+
+    def __init__(self, failure_threshold: int = 5, recovery_time: float = 1.0) -> None:
+        if (
+            isinstance(failure_threshold, bool)
+            or not isinstance(failure_threshold, int)
+            or failure_threshold < 1
+        ):
+            raise ConfigurationError(
+                f"failure_threshold must be an int >= 1, got {failure_threshold!r}"
+            )
+        recovery = _check_seconds("recovery_time", recovery_time, allow_none=False)
+        assert recovery is not None
+        self.failure_threshold = failure_threshold
+        self.recovery_time = recovery
+        self.state: BreakerState = "closed"
+        self._consecutive = 0
+        self._opened_at = 0.0
+        self._probing = False
+        self.failures = 0
+        self.opened = 0
+        self.short_circuited = 0
+
+    def allow(self) -> bool:
+        """True if the store may be asked now; the caller then reports success or failure."""
+        if self.state == "closed":
+            return True
+        if self._probing:
+            self.short_circuited += 1
+            return False
+        if self.state == "open" and time.monotonic() - self._opened_at < self.recovery_time:
+            self.short_circuited += 1
+            return False
+        # Open long enough (or half-open with no probe in flight): this call is the probe.
+        if self.state == "open":
+            self._set_state("half_open", "probing the store")
+        self._probing = True
+        return True
+
+    def retry_after(self) -> float:
+        """Seconds until the breaker will let a probe through (a hint for refused callers)."""
+        if self.state == "open":
+            return max(0.0, self._opened_at + self.recovery_time - time.monotonic())
+        return self.recovery_time if self.state == "half_open" else 0.0
+
+    def record_success(self) -> None:
+        self._consecutive = 0
+        if self.state != "closed":
+            self._probing = False
+            self._set_state("closed", "the store answered")
+
+    def record_failure(self, error: BaseException) -> None:
+        self.failures += 1
+        self._consecutive += 1
+        if self.state == "half_open" or (
+            self.state == "closed" and self._consecutive >= self.failure_threshold
+        ):
+            self._probing = False
+            self._opened_at = time.monotonic()
+            self.opened += 1
+            self._set_state(
+                "open",
+                f"{self._consecutive} failure(s) in a row, last: {error}; "
+                f"next probe in {self.recovery_time:g}s",
+            )
+
+    def record_abandoned(self) -> None:
+        """The call was cancelled from outside before it could tell: free the probe slot."""
+        self._probing = False
+
+    def _set_state(self, state: BreakerState, why: str) -> None:
+        previous, self.state = self.state, state
+        level = logging.WARNING if state == "open" else logging.INFO
+        logger.log(level, "aiolimit circuit breaker %s -> %s: %s", previous, state, why)
+
+    def __repr__(self) -> str:
+        return (
+            f"CircuitBreaker(failure_threshold={self.failure_threshold}, "
+            f"recovery_time={self.recovery_time:g}, state={self.state!r})"
+        )
+
+
+class _DeadlineScope:
+    """``with policy.deadline():`` a cancel scope plus the DECISION_DEADLINE variable.
+
+    Exceeding it raises ``BackendUnavailable`` (its ``__cause__`` is a ``TimeoutError``).
+    """
+
+    __slots__ = ("_scope", "_seconds", "_token")
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._scope = anyio.CancelScope(deadline=anyio.current_time() + seconds)
+        self._token: Token[float | None] | None = None
+
+    def __enter__(self) -> None:
+        self._token = DECISION_DEADLINE.set(time.monotonic() + self._seconds)
+        self._scope.__enter__()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:  # fmt: skip
+        try:
+            swallowed = bool(self._scope.__exit__(exc_type, exc, tb))
+        finally:
+            if self._token is not None:
+                DECISION_DEADLINE.reset(self._token)
+        if self._scope.cancelled_caught:
+            raise DeadlineExceeded(
+                f"no decision within the deadline of {self._seconds:g}s"
+            ) from TimeoutError(f"deadline of {self._seconds:g}s exceeded")
+        return swallowed
+
+
+class _NoDeadline:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+_NO_DEADLINE = _NoDeadline()
+
+
+class FailurePolicy:
+    """What a limiter does when its store fails: deadline, ``on_error`` and breaker together."""
+
+    def __init__(
+        self,
+        *,
+        deadline: float | None = 1.0,
+        on_error: OnError = "raise",
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        if on_error not in ON_ERROR_CHOICES:
+            raise ConfigurationError(
+                f"on_error must be one of {', '.join(map(repr, ON_ERROR_CHOICES))}, "
+                f"got {on_error!r}"
+            )
+        self.deadline_seconds = _check_seconds("deadline", deadline, allow_none=True)
+        self.on_error: OnError = on_error
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.degraded = 0
+        self.timeouts = 0
+
+    def deadline(self) -> _DeadlineScope | _NoDeadline:
+        """A fresh ``with`` scope bounding one decision (shared no-op when unbounded)."""
+        seconds = self.deadline_seconds
+        return _NO_DEADLINE if seconds is None else _DeadlineScope(seconds)
+
+    def short_circuit(self) -> Decision:
+        """The answer while the breaker is open: the policy's, or ``BackendUnavailable``."""
+        return self._answer(BackendUnavailable("circuit breaker open: the store is not asked"))
+
+    def failed(self, error: BackendError) -> Decision:
+        """Records a store failure; returns the policy's degraded decision or re-raises."""
+        if isinstance(error, DeadlineExceeded):
+            self.timeouts += 1
+        self.breaker.record_failure(error)
+        return self._answer(error)
+
+    def check_open(self) -> None:
+        """For calls without a degraded answer (refund): fail fast while the breaker is open.
+
+        Such calls never take the half-open probe slot, and their outcome is not recorded.
+        """
+        if self.breaker.state == "open" and self.breaker.retry_after() > 0:
+            raise BackendUnavailable("circuit breaker open: the store is not asked")
+
+    def _answer(self, error: BackendError) -> Decision:
+        on_error = self.on_error
+        if on_error == "raise":
+            _reraise(error)
+        self.degraded += 1
+        if on_error == "open":
+            return Decision(True, 0, 0.0, 0.0, None, None, (), degraded=True)
+        wait = max(self.breaker.retry_after(), 0.001)
+        return Decision(False, 0, wait, wait, None, None, (), degraded=True)
+
+    def statistics(self) -> BreakerStatistics:
+        breaker = self.breaker
+        return BreakerStatistics(
+            state=breaker.state,
+            failures=breaker.failures,
+            opened=breaker.opened,
+            short_circuited=breaker.short_circuited,
+            degraded=self.degraded,
+            timeouts=self.timeouts,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"FailurePolicy(deadline={self.deadline_seconds!r}, on_error={self.on_error!r}, "
+            f"breaker={self.breaker!r})"
+        )
+
+
+def _reraise(error: BaseException) -> NoReturn:
+    raise error
