@@ -4,6 +4,8 @@ Several identifiers, each under several limits, decided all or nothing in one sc
 slot. See the README for the quickstart.
 """
 
+from aiolimit._algorithms import Concurrency, FixedWindow, MinInterval, SlidingLog, TokenBucket
+from aiolimit._authority import AuthorityClock
 from aiolimit._clock import Clock, LocalClock, ServerClock
 from aiolimit._decision import Decision, PairDecision
 from aiolimit._errors import (
@@ -15,25 +17,33 @@ from aiolimit._errors import (
     RateLimited,
     WeightNeverFits,
 )
+from aiolimit._lease import Lease
 from aiolimit._limiter import Acquisition, Limiter, LimiterStatistics
 from aiolimit._limits import Limit
 
 __all__ = [
     "Acquisition",
     "AiolimitError",
+    "AuthorityClock",
     "BackendError",
     "BackendUnavailable",
     "Clock",
+    "Concurrency",
     "ConfigurationError",
     "Decision",
+    "FixedWindow",
     "InvalidRequestError",
+    "Lease",
     "Limit",
     "Limiter",
     "LimiterStatistics",
     "LocalClock",
+    "MinInterval",
     "PairDecision",
     "RateLimited",
     "ServerClock",
+    "SlidingLog",
+    "TokenBucket",
     "WeightNeverFits",
 ]
 __version__ = "0.1.0"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from aiolimit._limits import Limit
+if TYPE_CHECKING:
+    from aiolimit._lease import Lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +19,7 @@ class PairDecision:
     """
 
     identifier: str
-    limit: Limit
+    limit: Any  # Limit or another algorithm's value type
     allowed: bool
     remaining: int
     retry_after: float
@@ -37,6 +39,7 @@ class Decision:
       when allowed, the pair with the least remaining.
     - ``details``: every pair's own verdict.
     - ``degraded``: the store could not be asked and the failure policy decided instead.
+    - ``lease``: under a ``Concurrency`` limit, the slots this admission holds; release them.
     """
 
     allowed: bool
@@ -44,9 +47,10 @@ class Decision:
     retry_after: float
     reset_after: float
     identifier: str | None
-    limit: Limit | None
+    limit: Any
     details: tuple[PairDecision, ...] = ()
     degraded: bool = False
+    lease: Lease | None = None
 
     def __bool__(self) -> bool:
         return self.allowed

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
+
+import anyio
 
 from aiolimit._clock import Clock
 from aiolimit._decision import Decision
 from aiolimit._errors import BackendError, ConfigurationError, RateLimited
 from aiolimit._failure import BreakerStatistics, CircuitBreaker, FailurePolicy, OnError
 from aiolimit._keys import check_prefix
-from aiolimit._protocol import Protocol
-from aiolimit._rules import LimitsArg, Rules, check_weight
+from aiolimit._lease import Lease
+from aiolimit._protocol import Protocol, new_op_id
+from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight
 from aiolimit._store import Store
 from aiolimit._stores import open_store
-from aiolimit._wire import ACQUIRE, CHECK, REFUND, Call
+from aiolimit._wire import ACQUIRE, CHECK, REFUND, UNDO, Call
+
+# acquire reserves a GCRA turn at most this far ahead (also keeps the scaled values exact).
+MAX_RESERVATION_US = 3_600_000_000
 
 Identifiers = str | Sequence[str]
 
@@ -99,16 +105,20 @@ class Limiter:
             return [await self._store.run(call.keys, call.args)]
         return await self._store.run_many([(call.keys, call.args) for call in calls])
 
-    async def _decide(self, mode: str, ids: Identifiers, weight: int) -> Decision:
-        plans = self._rules.plans(ids)
-        check_weight(weight, plans)
+    async def _decide(
+        self, mode: str, ids: Identifiers, weight: int, op: str = "", max_wait_us: int = 0,
+        plans: list[IdentifierPlan] | None = None,
+    ) -> Decision:  # fmt: skip
+        if plans is None:
+            plans = self._rules.plans(ids)
+            check_weight(weight, plans)
         failure = self._failure
         if not failure.breaker.allow():
             return failure.short_circuit()
         try:
             with failure.deadline():
                 now = await self.clock.now_us()
-                decision = await self._protocol.decide(mode, plans, weight, now)
+                decision = await self._protocol.decide(mode, plans, weight, now, op, max_wait_us)
         except BackendError as exc:
             self._counts["errors"] += 1
             return failure.failed(exc)
@@ -120,15 +130,39 @@ class Limiter:
         return decision
 
     async def try_acquire(self, ids: Identifiers, weight: int = 1) -> Decision:
-        """Admits and charges ``weight`` on every pair if all have room; never waits."""
-        decision = await self._decide(ACQUIRE, ids, weight)
+        """Admits and charges ``weight`` on every pair if all have room; never waits.
+
+        Under a ``Concurrency`` limit an admitted decision carries a ``lease`` to release.
+        """
+        plans = self._rules.plans(ids)
+        check_weight(weight, plans)
+        decision, _ = await self._try(plans, weight, 0)
+        return decision
+
+    async def _try(
+        self, plans: list[IdentifierPlan], weight: int, max_wait_us: int
+    ) -> tuple[Decision, str]:
+        leases = any(plan.has_leases for plan in plans)
+        op = new_op_id() if leases or max_wait_us else ""
+        decision = await self._decide(ACQUIRE, (), weight, op, max_wait_us, plans)
         counts = self._counts
         counts["decisions"] += 1
         counts["allowed" if decision.allowed else "refused"] += 1
-        return decision
+        if leases and decision.allowed and not decision.degraded:
+
+            async def lease_call(mode: str, op_id: str) -> object:
+                now = await self.clock.now_us()
+                return await self._protocol.decide(mode, plans, weight, now, op_id)
+
+            decision = replace(decision, lease=Lease(lease_call, op))
+        return decision, op
 
     async def acquire(
-        self, ids: Identifiers, weight: int = 1, *, timeout: float | None = None
+        self,
+        ids: Identifiers,
+        weight: int = 1,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - the documented API: it waits
     ) -> Decision:
         """Like ``try_acquire``, but sleeps ``retry_after`` and tries again until admitted.
 
@@ -142,18 +176,48 @@ class Limiter:
             or not timeout >= 0  # also rejects NaN
         ):
             raise ConfigurationError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+        plans = self._rules.plans(ids)
+        check_weight(weight, plans)
         clock = self.clock
         deadline = None if timeout is None else clock.monotonic() + timeout
+        # When every limit is a GCRA bucket, a waiter reserves its turn (charged now, admitted
+        # after the delay): waiters are served in arrival order with one call each, instead
+        # of all waking at once and retrying.
+        queueable = timeout != 0 and all(plan.queueable for plan in plans)
         while True:
-            decision = await self.try_acquire(ids, weight)
+            max_wait_us = 0
+            if queueable:
+                left = MAX_RESERVATION_US if deadline is None else deadline - clock.monotonic()
+                max_wait_us = max(0, min(MAX_RESERVATION_US, int(left * 1_000_000)))
+            started = clock.monotonic()
+            decision, op = await self._try(plans, weight, max_wait_us)
+            # On a virtual clock (ManualClock) other tasks may have moved time while this
+            # call was in flight; waits count from the decision, not from now.
+            elapsed = clock.monotonic() - started if getattr(clock, "virtual", False) else 0.0
             if decision.allowed:
+                delay = max((p.retry_after for p in decision.details), default=0.0) - elapsed
+                if delay > 0 and not decision.degraded:
+                    await self._wait_reservation(plans, weight, op, delay)
                 return decision
             wait = decision.retry_after
-            if deadline is not None and clock.monotonic() + wait > deadline:
+            if deadline is not None and clock.monotonic() + wait - elapsed > deadline:
                 raise RateLimited(decision)
             self._counts["waits"] += 1
             # A tiny margin: the server rounds to microseconds and its clock ticks on.
-            await clock.sleep(wait + 0.000_5)
+            await clock.sleep(max(wait - elapsed, 0.0) + 0.000_5)
+
+    async def _wait_reservation(
+        self, plans: list[IdentifierPlan], weight: int, op: str, delay: float
+    ) -> None:
+        """Sleeps until a reserved turn; a waiter cancelled meanwhile gives its turn back."""
+        self._counts["waits"] += 1
+        try:
+            await self.clock.sleep(delay)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                now = await self.clock.now_us()
+                await self._protocol.decide(UNDO, plans, weight, now, op)
+            raise
 
     def limit(
         self, ids: Identifiers, weight: int = 1, *, timeout: float | None = None
@@ -229,4 +293,6 @@ class Acquisition:
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:  # fmt: skip
-        return None
+        # Concurrency leases go back on every exit: normal, error or cancellation.
+        if self.decision is not None and self.decision.lease is not None:
+            await self.decision.lease.release()

@@ -109,6 +109,11 @@ class Limit:
         """(algorithm code, amount, period µs, parameter) as the Lua scripts take them."""
         return self._wire
 
+    @property
+    def storage(self) -> tuple[str, int, int]:
+        """What it stores under; two limits of one rule may not share it."""
+        return ("w", self._wire[2], self._wire[3])
+
     def __str__(self) -> str:
         text = f"{self.amount}/{_seconds_text(self.per)}"
         if self.precision != self.per:

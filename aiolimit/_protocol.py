@@ -84,11 +84,11 @@ class Protocol:
 
     def _calls(
         self, mode: str, groups: Sequence[Sequence[IdentifierPlan]], weight: int,
-        now_us: int | None, op: str = "",
+        now_us: int | None, op: str = "", max_wait_us: int = 0,
     ) -> list[Call]:  # fmt: skip
+        slack, penalty = self._slack_ms, self._penalty
         return [
-            encode(mode, group, weight, now_us, self._slack_ms, op, self._penalty)
-            for group in groups
+            encode(mode, group, weight, now_us, slack, op, penalty, max_wait_us) for group in groups
         ]
 
     async def _replies(self, calls: Sequence[Call]) -> list[Reply]:
@@ -100,33 +100,40 @@ class Protocol:
 
     async def decide(
         self, mode: str, plans: Sequence[IdentifierPlan], weight: int, now_us: int | None,
-        op: str = "",
+        op: str = "", max_wait_us: int = 0,
     ) -> Decision:  # fmt: skip
-        """Runs ``mode`` (acquire, check or refund) over every plan, all or nothing."""
+        """Runs ``mode`` (see ``lua/decide.lua``) over every plan, all or nothing.
+
+        ``max_wait_us`` > 0 lets queueable (GCRA) pairs reserve a turn within that wait; the
+        delay comes back as the pairs' ``retry_after`` on an allowed decision.
+        """
         groups = group_by_slot(plans, self._slot_of)
         if not op and self._always_op_ids and mode != CHECK:
             op = new_op_id()
         if len(groups) == 1:
             self.statistics.single_slot += 1
-            return _merge(await self._replies(self._calls(mode, groups, weight, now_us, op)))
+            calls = self._calls(mode, groups, weight, now_us, op, max_wait_us)
+            return _merge(await self._replies(calls))
         self.statistics.multi_slot += 1
         counts = self.statistics.slots_per_call
         counts[len(groups)] = counts.get(len(groups), 0) + 1
         if mode != ACQUIRE:
             # check and refund touch each slot independently; there is nothing to undo.
-            return _merge(await self._replies(self._calls(mode, groups, weight, now_us, op)))
-        return await self._two_phase(groups, weight, now_us, op or new_op_id())
+            calls = self._calls(mode, groups, weight, now_us, op, max_wait_us)
+            return _merge(await self._replies(calls))
+        return await self._two_phase(groups, weight, now_us, op or new_op_id(), max_wait_us)
 
     async def _two_phase(
         self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, now_us: int | None,
-        op: str,
+        op: str, max_wait_us: int,
     ) -> Decision:  # fmt: skip
         if not self._penalty:
-            checked = await self._replies(self._calls(CHECK, groups, weight, now_us))
+            checks = self._calls(CHECK, groups, weight, now_us, "", max_wait_us)
+            checked = await self._replies(checks)
             if not all(reply.allowed for reply in checked):
                 self.statistics.refused_at_check += 1
                 return _merge(checked)
-        calls = self._calls(ACQUIRE, groups, weight, now_us, op)
+        calls = self._calls(ACQUIRE, groups, weight, now_us, op, max_wait_us)
         results = await self._run(calls)
         replies: list[Reply | None] = [
             None if isinstance(result, BaseException) else decode(call, result)

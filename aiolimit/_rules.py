@@ -33,6 +33,8 @@ class IdentifierPlan:
     # (algorithm, amount, period µs, param) the script takes.
     pairs: tuple[tuple[int, str, int, int, int], ...]
     max_weight: int
+    has_leases: bool  # a Concurrency limit applies: acquiring takes a lease to release
+    queueable: bool  # every limit is GCRA, so acquire may reserve a turn instead of retrying
 
 
 def _is_limit(value: object) -> bool:
@@ -49,8 +51,14 @@ def _check_limits(kind: str, limits: object) -> tuple[AnyLimit, ...]:
                 f"limits for {kind!r} must be Limit objects or strings like '10/second', "
                 f"got {limit!r}"
             )
-    if len(set(checked)) != len(checked):
-        raise ConfigurationError(f"limits for {kind!r} list the same limit twice: {checked}")
+    seen: dict[object, AnyLimit] = {}
+    for limit in checked:
+        other = seen.setdefault(getattr(limit, "storage", limit), limit)
+        if other is not limit:
+            raise ConfigurationError(
+                f"limits for {kind!r}: {other} and {limit} would share one counter (same "
+                "algorithm and window); keep one of them"
+            )
     return checked
 
 
@@ -100,7 +108,16 @@ class Rules:
                 keys.append(aux_key(self.prefix, identifier, suffix))
             pairs.append((aux, *limit.wire))
         max_weight = min((limit.max_weight for limit in limits), default=MAX_WEIGHT)
-        return IdentifierPlan(identifier, limits, tuple(keys), tuple(pairs), max_weight)
+        codes = {pair[1] for pair in pairs}
+        return IdentifierPlan(
+            identifier,
+            limits,
+            tuple(keys),
+            tuple(pairs),
+            max_weight,
+            has_leases="lease" in codes,
+            queueable=codes == {"gcra"},
+        )
 
     def plans(self, ids: object) -> list[IdentifierPlan]:
         """Validates a call's identifiers; duplicates count once, order is kept."""

@@ -13,7 +13,7 @@ from functools import cache
 from pathlib import Path
 
 # Order matters: algorithms register themselves in ALGORITHMS, defined by the prelude.
-ALGORITHM_FILES = ("sliding_window.lua",)
+ALGORITHM_FILES = ("sliding_window.lua", "gcra.lua", "sliding_log.lua", "concurrency.lua")
 SCRIPT_FILES = ("prelude.lua", *ALGORITHM_FILES, "decide.lua")
 
 

@@ -16,6 +16,8 @@ ACQUIRE = "acquire"
 CHECK = "check"
 REFUND = "refund"
 UNDO = "undo"
+RELEASE = "release"
+RENEW = "renew"
 PAIR_ARGS = 6
 REPLY_HEAD = 3
 REPLY_PER_PAIR = 4
@@ -48,6 +50,7 @@ def encode(
     slack_ms: int,
     op: str = "",
     penalty: bool = False,
+    max_wait_us: int = 0,
 ) -> Call:
     keys: list[str] = []
     pair_args: list[str | int] = []
@@ -61,7 +64,10 @@ def encode(
     if op:
         keys.append(plans[0].keys[0] + ":op:" + op)  # same hash tag: same slot
     now = "" if now_us is None else now_us
-    head: list[str | int] = [mode, now, weight, slack_ms, op, "p" if penalty else "", npairs]
+    flags = "p" if penalty else ""
+    if max_wait_us > 0:
+        flags += f"r{max_wait_us}"
+    head: list[str | int] = [mode, now, weight, slack_ms, op, flags, npairs]
     return Call(keys, head + pair_args, plans)
 
 

@@ -22,6 +22,8 @@ class ManualClock:
 
     #: Keys judged by manual time must not expire by real time while a test runs.
     ttl_slack_ms = 3_600_000
+    #: Time moves only when told; the limiter counts waits from the decision's time.
+    virtual = True
 
     def __init__(self, start: float = 1_700_000_000.0, *, autojump: bool = False) -> None:
         if isinstance(start, bool) or not isinstance(start, (int, float)):

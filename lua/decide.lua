@@ -8,6 +8,8 @@
 --                 "refund"  give weight back on every pair (newest charges first); with an
 --                           op id it is applied once (a retry replays)
 --                 "undo"    with an op id: credit exactly what that acquire op charged
+--                 "release" with an op id: drop that op's concurrency leases (nothing else)
+--                 "renew"   with an op id: extend that op's concurrency leases
 -- ARGV[2]   now: integer µs since the epoch, or "" to use this server's TIME
 -- ARGV[3]   weight: positive integer
 -- ARGV[4]   TTL slack: integer ms added to every TTL (a manual clock's time is not Redis')
@@ -17,7 +19,9 @@
 --           (charges nothing). undo credits exactly what that op charged, once, and leaves
 --           "R:..." so a late or retried acquire of the op cannot charge. refund writes "F:".
 --           Records expire after OP_RETENTION_MS.
--- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway)
+-- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway);
+--           "r<µs>" reserves: pairs that can queue (GCRA) admit a request that fits within
+--           that many µs, charging now; its delay is the pair's retry_after while allowed
 -- ARGV[7]   P, the number of pairs
 -- ARGV[8 + 6(i-1) .. 13 + 6(i-1)]  pair i: main key index, aux key index (0 = none),
 --           algorithm code ("sw", ...), amount (integer), period (integer µs),
@@ -37,7 +41,8 @@ end
 local weight = tonumber(ARGV[3])
 local slack = tonumber(ARGV[4])
 local op = ARGV[5]
-local penalty = ARGV[6] == 'p'
+local penalty = string.find(ARGV[6], 'p', 1, true) ~= nil
+local max_wait = tonumber(string.match(ARGV[6], 'r(%d+)')) or 0
 local npairs = tonumber(ARGV[7])
 
 local pairs_ = {}
@@ -46,6 +51,8 @@ for i = 1, npairs do
   local pair = {
     main = KEYS[tonumber(ARGV[base])],
     aux = KEYS[tonumber(ARGV[base + 1])],
+    code = ARGV[base + 2],
+    letter = string.sub(ARGV[base + 2], 1, 1),
     algo = ALGORITHMS[ARGV[base + 2]],
     amount = tonumber(ARGV[base + 3]),
     period_s = ARGV[base + 4],
@@ -110,7 +117,7 @@ local function decide_all(w)
   local reply = {0, 0, now}
   local all = true
   for i, pair in ipairs(pairs_) do
-    local ok, remaining, retry, reset = pair.algo.check(pair.s, pair, now_for(pair.s), w)
+    local ok, remaining, retry, reset = pair.algo.check(pair.s, pair, now_for(pair.s), w, max_wait)
     if not ok then all = false end
     local base = 4 + 4 * (i - 1)
     reply[base] = ok and 1 or 0
@@ -181,6 +188,17 @@ if mode == 'refund' or mode == 'undo' then
   -- The state after the refund, as a request of weight 0 sees it.
   local reply = decide_all(0)
   reply[2] = replay
+  return reply
+end
+
+if mode == 'release' or mode == 'renew' then
+  if op == '' then return redis.error_reply('ERR aiolimit: ' .. mode .. ' needs an op id') end
+  for _, pair in ipairs(pairs_) do
+    local action = pair.algo[mode]
+    if action then action(pair.s, pair, now_for(pair.s), weight, op) end
+  end
+  flush()
+  local reply = decide_all(0)
   return reply
 end
 

@@ -1,11 +1,13 @@
--- aiolimit: sliding window counter (algorithm code "sw"), after J. Carlson's 2014 design.
+-- aiolimit: sliding window counter (algorithm code "sw"), after J. Carlson's 2014 design,
+-- and the fixed window (code "fw": the same counter with one bucket per window).
 --
 -- Pair parameters (from decide.lua's ARGV): amount (integer), period P (integer µs),
 -- param = precision p (integer µs, 0 < p <= P). No aux key.
 -- The window is the last n = ceil(P / p) buckets of width p, aligned to the epoch, the current
 -- one included. With p == P that is a calendar-aligned fixed window. A non-dividing p makes the
 -- window slightly longer than P, never shorter: it errs on the side of refusing.
--- Storage: main HASH fields "w<P>/<p>:<bucket index>" = weight charged in that bucket.
+-- Storage: main HASH fields "w<P>/<p>:<bucket index>" (fixed window: "f<P>/<P>:<index>")
+-- = weight charged in that bucket.
 -- Stale buckets are deleted on every write; the key's TTL covers the newest bucket's life.
 
 local function sw_buckets(s, pair)
@@ -14,7 +16,7 @@ local function sw_buckets(s, pair)
     cache = {}
     s.sw = cache
     for field, value in pairs(s.fields) do
-      local name, idx = string.match(field, '^(w[^:]+):(%d+)$')
+      local name, idx = string.match(field, '^([wf][^:]+):(%d+)$')
       if name then
         local b = cache[name]
         if not b then b = {}; cache[name] = b end
@@ -22,7 +24,7 @@ local function sw_buckets(s, pair)
       end
     end
   end
-  local name = 'w' .. pair.period_s .. '/' .. pair.param_s
+  local name = pair.letter .. pair.period_s .. '/' .. pair.param_s
   local b = cache[name]
   if not b then b = {}; cache[name] = b end
   return name, b
@@ -45,7 +47,7 @@ local function sw_live(b, cur, n)
   return idxs
 end
 
-ALGORITHMS.sw = {
+local sliding_window = {
   check = function(s, pair, now, weight)
     local _, b = sw_buckets(s, pair)
     local p, n, cur = sw_geometry(pair, now)
@@ -114,3 +116,6 @@ ALGORITHMS.sw = {
     want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
   end,
 }
+
+ALGORITHMS.sw = sliding_window
+ALGORITHMS.fw = sliding_window
