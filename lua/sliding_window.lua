@@ -24,7 +24,8 @@ local function sw_buckets(s, pair)
       end
     end
   end
-  local name = pair.letter .. pair.period_s .. '/' .. pair.param_s
+  -- "sw" stores under "w", "fw" under "f" (the header's field names).
+  local name = (pair.code == 'fw' and 'f' or 'w') .. pair.period_s .. '/' .. pair.param_s
   local b = cache[name]
   if not b then b = {}; cache[name] = b end
   return name, b
