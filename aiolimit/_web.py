@@ -137,10 +137,15 @@ class ClientIPResolver:
         return any(address in network for network in self.trusted)
 
     def resolve(self, peer: str | None, forwarded: Sequence[str]) -> str | None:
-        """The client's IP as text, from the peer address and the header's values (in order)."""
+        """The client's IP as text, from the peer address and the header's values (in order).
+
+        A peer that is not an IP address (a Unix socket, a server's odd ``client`` value) is
+        used as it is, and no peer at all is ``"unknown"``: such requests share one identifier
+        rather than escaping the limits.
+        """
         client = parse_ip(peer) if peer else None
         if client is None:
-            return None
+            return key_value(peer) or "unknown"
         if self.trusted and forwarded and self.is_trusted(client):
             for hop in self._hops_right_to_left(forwarded):
                 address = parse_ip(hop) if hop is not None else None

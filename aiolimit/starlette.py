@@ -19,6 +19,11 @@ Every key that gives a value becomes one identifier (``"ip:203.0.113.7"``, ``"us
 all of them are decided in one all-or-nothing ``try_acquire``. Refused: 429 with RFC 9457
 problem+json, ``Retry-After`` and the ``RateLimit``/``RateLimit-Policy`` fields (see
 ``aiolimit._web`` for the header semantics). Store down and ``on_error="closed"``: 503.
+
+Behind a proxy, note that uvicorn's own ``proxy_headers`` (on by default, trusting
+``127.0.0.1``) rewrites the ASGI ``client`` from ``X-Forwarded-For`` before any middleware runs.
+Either keep that and leave ``trusted_proxies`` empty, or run uvicorn with
+``proxy_headers=False`` and let ``trusted_proxies`` decide; not both.
 """
 
 from __future__ import annotations

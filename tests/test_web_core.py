@@ -1,0 +1,193 @@
+"""Framework-neutral web pieces: client IP behind proxies, key values, headers and bodies.
+
+Decisions here are built by hand, so every header value is exact; the HTTP tests in
+test_web_starlette.py and test_web_aiohttp.py check the same values through real servers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aiolimit import ConfigurationError, Decision, Limit, PairDecision
+from aiolimit._web import (
+    ClientIPResolver,
+    key_value,
+    problem_body,
+    quota_and_window,
+    rate_limit_headers,
+    retry_after_seconds,
+)
+
+TEN_PER_SECOND = Limit(10, per=1)
+HUNDRED_PER_MINUTE = Limit(100, per=60)
+
+
+def pair(identifier: str, limit: Limit, allowed: bool, remaining: int, retry: float, reset: float) -> PairDecision:  # fmt: skip
+    return PairDecision(identifier, limit, allowed, remaining, retry, reset)
+
+
+def test_untrusted_peer_forwarded_header_is_ignored() -> None:
+    """A peer that is not a trusted proxy is the client, whatever X-Forwarded-For says."""
+    resolver = ClientIPResolver(["10.0.0.0/8"])
+    assert resolver.resolve("198.51.100.9", ["203.0.113.7"]) == "198.51.100.9"
+
+
+def test_trusted_proxy_rightmost_untrusted_hop_is_the_client() -> None:
+    """Behind trusted proxies the rightmost untrusted hop wins; hops left of it are ignored."""
+    resolver = ClientIPResolver(["10.0.0.0/8"])
+    chain = ["1.1.1.1, 203.0.113.7", "10.0.0.2"]
+    assert resolver.resolve("10.0.0.1", chain) == "203.0.113.7"
+
+
+def test_all_hops_trusted_gives_the_leftmost() -> None:
+    """If every hop is a trusted proxy, the leftmost hop is the client."""
+    resolver = ClientIPResolver(["10.0.0.0/8"])
+    assert resolver.resolve("10.0.0.1", ["10.9.9.9, 10.0.0.3"]) == "10.9.9.9"
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["", ",,,", "not-an-ip", "300.1.1.1", "1.2.3.4, garbage", "[::1", "\x00\xff", "unknown"],
+)
+def test_malformed_forwarded_falls_back_to_the_last_good_hop(header: str) -> None:
+    """A malformed hop stops the walk: the client is the last good (trusted) hop, never junk."""
+    resolver = ClientIPResolver(["10.0.0.0/8"])
+    assert resolver.resolve("10.0.0.1", [header]) == "10.0.0.1"
+
+
+def test_huge_forwarded_header_is_bounded() -> None:
+    """A megabyte of hops is cut to its rightmost part; the answer is still the right hop."""
+    resolver = ClientIPResolver(["10.0.0.0/8"])
+    chain = ", ".join(["10.1.1.1"] * 200_000) + ", 203.0.113.7"
+    assert resolver.resolve("10.0.0.1", [chain]) == "203.0.113.7"
+    deep = ", ".join(["10.1.1.1"] * 100)
+    assert resolver.resolve("10.0.0.1", [deep]) == "10.1.1.1"
+
+
+def test_rfc7239_forwarded_header() -> None:
+    """With header='forwarded', for= values (quoted IPv6 with port included) are honoured."""
+    resolver = ClientIPResolver(["10.0.0.0/8"], header="forwarded")
+    value = 'for=198.51.100.1;proto=https, for="[2001:db8::7]:4711";by=10.0.0.1'
+    assert resolver.resolve("10.0.0.1", [value]) == "2001:db8::7"
+    assert resolver.resolve("10.0.0.1", ["for=_hidden"]) == "10.0.0.1"
+
+
+def test_ipv6_grouped_by_prefix_and_ipv4_mapped_unwrapped() -> None:
+    """IPv6 clients share one identifier per /64 when asked; ::ffff:a.b.c.d is plain IPv4."""
+    resolver = ClientIPResolver(ipv6_prefix=64)
+    assert resolver.resolve("2001:db8:1:2:aaaa::1", []) == "2001:db8:1:2::/64"
+    assert resolver.resolve("2001:db8:1:2:bbbb::9", []) == "2001:db8:1:2::/64"
+    assert resolver.resolve("::ffff:192.0.2.1", []) == "192.0.2.1"
+
+
+def test_bad_resolver_configuration_fails_at_once() -> None:
+    """Invalid trusted proxies, header names or prefixes are ConfigurationErrors."""
+    with pytest.raises(ConfigurationError):
+        ClientIPResolver(["not-a-network"])
+    with pytest.raises(ConfigurationError):
+        ClientIPResolver(header="x-real-ip")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError):
+        ClientIPResolver(ipv6_prefix=129)
+
+
+def test_key_values_are_bounded_and_encodable() -> None:
+    """Huge values are hashed, lone surrogates escaped, empty values mean 'no key'."""
+    assert key_value("") is None
+    assert key_value(None) is None
+    assert key_value(42) == "42"
+    assert key_value("ünïcode") == "ünïcode"
+    hashed = key_value("x" * 100_000)
+    assert hashed is not None and hashed.startswith("sha256:") and len(hashed) < 80
+    escaped = key_value("bad\udcffbyte")
+    assert escaped is not None
+    escaped.encode("utf-8")  # no lone surrogate left
+
+
+def test_quota_and_window_of_other_limit_shapes() -> None:
+    """Limits are described by duck typing, falling back to capacity / rate."""
+
+    class Bucket:
+        capacity = 20
+        rate = 4.0  # per second
+
+    class Opaque:
+        pass
+
+    assert quota_and_window(TEN_PER_SECOND) == (10, 1)
+    assert quota_and_window(Limit(5, per=0.5)) == (5, 1)  # sub-second windows round up
+    assert quota_and_window(Bucket()) == (20, 5)
+    assert quota_and_window(Opaque()) is None
+
+
+def test_allowed_headers_one_item_per_limit() -> None:
+    """An allowed decision gets RateLimit-Policy and RateLimit items, no Retry-After."""
+    decision = Decision.from_pairs(
+        (
+            pair("ip:203.0.113.7", TEN_PER_SECOND, True, 7, 0.0, 0.4),
+            pair("user:42", HUNDRED_PER_MINUTE, True, 55, 0.0, 31.2),
+        )
+    )
+    headers = dict(rate_limit_headers(decision))
+    assert headers == {
+        "RateLimit-Policy": '"ip-10-per-1s";q=10;w=1, "user-100-per-60s";q=100;w=60',
+        "RateLimit": '"ip-10-per-1s";r=7;t=1, "user-100-per-60s";r=55;t=32',
+    }
+
+
+def test_refused_headers_retry_after_is_the_largest_rounded_up() -> None:
+    """Retry-After is whole seconds rounded up, the largest over the refusing pairs."""
+    decision = Decision.from_pairs(
+        (
+            pair("ip:203.0.113.7", TEN_PER_SECOND, False, 0, 0.2, 0.9),
+            pair("user:42", HUNDRED_PER_MINUTE, False, 0, 12.01, 40.0),
+            pair("api:k", Limit(1000, per=3600), True, 999, 0.0, 3000.0),
+        )
+    )
+    headers = dict(rate_limit_headers(decision, legacy=True))
+    assert headers["Retry-After"] == "13"
+    assert headers["RateLimit"] == (
+        '"ip-10-per-1s";r=0;t=1, "user-100-per-60s";r=0;t=13, "api-1000-per-3600s";r=999;t=3000'
+    )
+    assert headers["X-RateLimit-Limit"] == "100"
+    assert headers["X-RateLimit-Reset"] == "13"
+
+
+@pytest.mark.parametrize(("retry", "expected"), [(0.0001, 1), (1.0, 1), (1.2, 2), (2.999, 3)])
+def test_retry_after_rounding(retry: float, expected: int) -> None:
+    """Retry-After rounds up and is at least 1."""
+    decision = Decision(False, 0, retry, retry, "ip:x", TEN_PER_SECOND, ())
+    assert retry_after_seconds(decision) == expected
+
+
+def test_problem_body_names_policies_not_identifiers() -> None:
+    """The 429 body is RFC 9457 quota-exceeded with the violated policies, no identifiers."""
+    decision = Decision.from_pairs(
+        (
+            pair("user:secret-api-key", TEN_PER_SECOND, False, 0, 0.5, 0.5),
+            pair("ip:203.0.113.7", HUNDRED_PER_MINUTE, True, 3, 0.0, 10.0),
+        )
+    )
+    status, body = problem_body(decision)
+    problem = json.loads(body)
+    assert status == 429
+    assert problem["type"].endswith("#quota-exceeded")
+    assert problem["status"] == 429
+    assert problem["violated-policies"] == ["user-10-per-1s"]
+    assert b"secret-api-key" not in body and b"203.0.113.7" not in body
+
+
+def test_degraded_decisions_get_no_rate_limit_fields() -> None:
+    """A decision made by the failure policy has no limits to advertise; refused is a 503."""
+    admitted = Decision(True, 0, 0.0, 0.0, None, None, (), degraded=True)
+    refused = Decision(False, 0, 0.7, 0.7, None, None, (), degraded=True)
+    assert rate_limit_headers(admitted) == []
+    assert problem_body(refused)[0] == 503
+
+
+def test_unparseable_or_missing_peer_is_still_limited() -> None:
+    """A peer that is no IP (a Unix socket path) or no peer at all still gets an identifier."""
+    resolver = ClientIPResolver(["10.0.0.0/8"])
+    assert resolver.resolve("/run/app.sock", ["203.0.113.7"]) == "/run/app.sock"
+    assert resolver.resolve(None, []) == "unknown"
