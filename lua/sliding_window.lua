@@ -56,7 +56,15 @@ local sliding_window = {
     local count = 0
     for _, idx in ipairs(idxs) do count = count + b[idx] end
     if count + weight <= pair.amount then
-      return true, pair.amount - count - weight, 0, (cur + n) * p - now
+      -- After a charge the current bucket is the newest; with weight 0 (the state after a
+      -- refund) it is the newest non-empty one, and an empty window is full already.
+      local reset = 0
+      if weight > 0 then
+        reset = (cur + n) * p - now
+      elseif #idxs > 0 then
+        reset = (idxs[#idxs] + n) * p - now
+      end
+      return true, pair.amount - count - weight, 0, reset
     end
     local retry = 0
     local freed = 0
