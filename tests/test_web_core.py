@@ -24,7 +24,9 @@ TEN_PER_SECOND = Limit(10, per=1)
 HUNDRED_PER_MINUTE = Limit(100, per=60)
 
 
-def pair(identifier: str, limit: Limit, allowed: bool, remaining: int, retry: float, reset: float) -> PairDecision:  # fmt: skip
+def pair(
+    identifier: str, limit: Limit, allowed: bool, remaining: int, retry: float, reset: float
+) -> PairDecision:
     return PairDecision(identifier, limit, allowed, remaining, retry, reset)
 
 

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
+from typing import Annotated
 
 import httpx
 import pytest
@@ -56,8 +57,11 @@ async def serve(app: ASGIApp) -> AsyncIterator[httpx.AsyncClient]:
         await task
 
 
+Factory = Callable[..., Limiter]
+
+
 @pytest.fixture
-async def limiter_factory(redis_url: str, prefix: str) -> AsyncIterator[Callable[..., Limiter]]:
+async def limiter_factory(redis_url: str, prefix: str) -> AsyncIterator[Factory]:
     made: list[Limiter] = []
 
     def make(limits: object, **options: object) -> Limiter:
@@ -105,7 +109,7 @@ def items(field: str) -> dict[str, dict[str, int]]:
     return parsed
 
 
-async def test_headers_on_allowed_and_refused_responses(limiter_factory: Callable[..., Limiter]) -> None:  # fmt: skip
+async def test_headers_on_allowed_and_refused_responses(limiter_factory: Factory) -> None:
     """Every limited response carries RateLimit-Policy and RateLimit with exact values."""
     limiter = limiter_factory({"ip": [Limit(3, per=60), Limit(100, per=3600)]})
     async with serve(starlette_app(limiter)) as client:
@@ -128,7 +132,7 @@ async def test_headers_on_allowed_and_refused_responses(limiter_factory: Callabl
         assert "retry-after" not in response.headers
 
 
-async def test_refused_body_and_retry_after(limiter_factory: Callable[..., Limiter]) -> None:
+async def test_refused_body_and_retry_after(limiter_factory: Factory) -> None:
     """A 429 has an RFC 9457 body and an integer Retry-After equal to the refusing t."""
     limiter = limiter_factory([Limit(1, per=60)])
     async with serve(starlette_app(limiter)) as client:
@@ -145,7 +149,7 @@ async def test_refused_body_and_retry_after(limiter_factory: Callable[..., Limit
     assert retry_after == items(refused.headers["ratelimit"])["ip-1-per-60s"]["t"]
 
 
-async def test_several_keys_are_one_all_or_nothing_decision(limiter_factory: Callable[..., Limiter]) -> None:  # fmt: skip
+async def test_several_keys_are_one_all_or_nothing_decision(limiter_factory: Factory) -> None:
     """ip and user keys are decided together: refused by one, charged on neither."""
     limiter = limiter_factory({"ip": [Limit(100, per=60)], "user": [Limit(2, per=60)]})
     app = starlette_app(limiter, keys={"ip": CLIENT_IP, "user": header_key("x-user")})
@@ -165,7 +169,7 @@ async def test_several_keys_are_one_all_or_nothing_decision(limiter_factory: Cal
     assert "user" not in anonymous.headers["ratelimit-policy"]
 
 
-async def test_routes_weights_and_exemptions(limiter_factory: Callable[..., Limiter]) -> None:
+async def test_routes_weights_and_exemptions(limiter_factory: Factory) -> None:
     """A route can weigh more or use another limiter; None exempts it (no headers)."""
     limiter = limiter_factory([Limit(10, per=60)])
     strict = limiter_factory({"route": [Limit(1, per=60)]})
@@ -191,7 +195,7 @@ async def test_routes_weights_and_exemptions(limiter_factory: Callable[..., Limi
     assert "route-1-per-60s" in second.headers["ratelimit-policy"]
 
 
-async def test_refund_on_exception_and_5xx(limiter_factory: Callable[..., Limiter]) -> None:
+async def test_refund_on_exception_and_5xx(limiter_factory: Factory) -> None:
     """With refund_on_error, a raising handler or a 5xx answer gives the weight back."""
     limiter = limiter_factory([Limit(2, per=60)])
     async with serve(starlette_app(limiter, refund_on_error=True)) as client:
@@ -201,7 +205,7 @@ async def test_refund_on_exception_and_5xx(limiter_factory: Callable[..., Limite
     assert items(ok.headers["ratelimit"])["ip-2-per-60s"]["r"] == 1
 
 
-async def test_no_refund_by_default(limiter_factory: Callable[..., Limiter]) -> None:
+async def test_no_refund_by_default(limiter_factory: Factory) -> None:
     """Without refund_on_error, failed requests count like any other."""
     limiter = limiter_factory([Limit(2, per=60)])
     async with serve(starlette_app(limiter)) as client:
@@ -212,7 +216,9 @@ async def test_no_refund_by_default(limiter_factory: Callable[..., Limiter]) -> 
     assert refused.status_code == 429
 
 
-async def test_spoofed_forwarded_for_from_untrusted_peer_is_ignored(limiter_factory: Callable[..., Limiter]) -> None:  # fmt: skip
+async def test_spoofed_forwarded_for_from_untrusted_peer_is_ignored(
+    limiter_factory: Factory,
+) -> None:
     """X-Forwarded-For from a peer that is not a trusted proxy changes nothing."""
     limiter = limiter_factory({"ip": [Limit(1, per=60)]})
     app = starlette_app(limiter, trusted_proxies=["10.0.0.0/8"])
@@ -222,7 +228,7 @@ async def test_spoofed_forwarded_for_from_untrusted_peer_is_ignored(limiter_fact
     assert (first.status_code, second.status_code) == (200, 429)
 
 
-async def test_forwarded_for_from_trusted_proxy_is_honoured(limiter_factory: Callable[..., Limiter]) -> None:  # fmt: skip
+async def test_forwarded_for_from_trusted_proxy_is_honoured(limiter_factory: Factory) -> None:
     """From a trusted proxy, the rightmost untrusted hop is the client; left hops are ignored."""
     limiter = limiter_factory({"ip": [Limit(1, per=60)]})
     app = starlette_app(limiter, trusted_proxies=["127.0.0.0/8", "10.0.0.0/8"])
@@ -243,7 +249,7 @@ async def test_forwarded_for_from_trusted_proxy_is_honoured(limiter_factory: Cal
         {"x-user": "x" * 10_000},
     ],
 )
-async def test_bad_input_never_500(limiter_factory: Callable[..., Limiter], headers: dict[str, str]) -> None:  # fmt: skip
+async def test_bad_input_never_500(limiter_factory: Factory, headers: dict[str, str]) -> None:
     """Malformed forwarded headers, huge and non-ASCII key values: an answer, never a 500."""
     limiter = limiter_factory({"ip": [Limit(5, per=60)], "user": [Limit(5, per=60)]})
     app = starlette_app(
@@ -264,15 +270,15 @@ def fastapi_app(limiter: Limiter, **options: object) -> FastAPI:
     guard = RateLimit(limiter, **options)  # type: ignore[arg-type]
 
     @app.get("/who")
-    async def who(decision: Decision | None = Depends(guard)) -> dict[str, object]:
+    async def who(decision: Annotated[Decision | None, Depends(guard)]) -> dict[str, object]:
         return {"ids": [p.identifier for p in decision.details] if decision else []}
 
     @app.get("/fail")
-    async def fail(_: object = Depends(guard)) -> None:
+    async def fail(_: Annotated[object, Depends(guard)]) -> None:
         raise HTTPException(502, "upstream failed")
 
     @app.get("/missing")
-    async def missing(_: object = Depends(guard)) -> None:
+    async def missing(_: Annotated[object, Depends(guard)]) -> None:
         raise HTTPException(404, "no such thing")
 
     @app.get("/free")
@@ -282,7 +288,7 @@ def fastapi_app(limiter: Limiter, **options: object) -> FastAPI:
     return app
 
 
-async def test_fastapi_dependency_headers_body_and_client_ip(limiter_factory: Callable[..., Limiter]) -> None:  # fmt: skip
+async def test_fastapi_dependency_headers_body_and_client_ip(limiter_factory: Factory) -> None:
     """Depends(RateLimit(...)) limits one route, sets headers, and 429s with problem+json."""
     limiter = limiter_factory({"ip": [Limit(2, per=60)]})
     app = fastapi_app(limiter, weight=1, trusted_proxies=["127.0.0.1"])
@@ -300,7 +306,7 @@ async def test_fastapi_dependency_headers_body_and_client_ip(limiter_factory: Ca
     assert "ratelimit" not in free.headers
 
 
-async def test_fastapi_dependency_refunds_5xx_but_not_4xx(limiter_factory: Callable[..., Limiter]) -> None:  # fmt: skip
+async def test_fastapi_dependency_refunds_5xx_but_not_4xx(limiter_factory: Factory) -> None:
     """An HTTPException >= 500 is refunded, one below 500 is a normal, charged answer."""
     limiter = limiter_factory({"ip": [Limit(3, per=60)]})
     app = fastapi_app(limiter, refund_on_error=True)
