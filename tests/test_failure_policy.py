@@ -1,0 +1,212 @@
+"""The failure policy against a real Redis that is stopped (SIGSTOP) or killed mid-load.
+
+Times are asserted with generous margins (a loaded CI box), but every bound is finite: the
+point is that no decision and no request waits longer than the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import pytest
+from redis.asyncio import Redis
+
+from aiolimit import BackendUnavailable, Limit, Limiter
+from aiolimit._failure import DECISION_DEADLINE, CircuitBreaker, time_left
+from aiolimit._redis_store import RedisStore, client_from_url
+from cluster import Standalone
+
+DEADLINE = 0.2
+RECOVERY = 0.4
+THRESHOLD = 3
+SLACK = 0.25  # scheduling noise allowed on top of a deadline
+
+
+def make_limiter(server: Standalone, prefix: str, on_error: str) -> Limiter:
+    return Limiter(
+        server.url,
+        [Limit(100, per=60)],
+        prefix=prefix,
+        deadline=DEADLINE,
+        on_error=on_error,  # type: ignore[arg-type]
+        failure_threshold=THRESHOLD,
+        recovery_time=RECOVERY,
+    )
+
+
+async def timed_decision(limiter: Limiter) -> tuple[float, object]:
+    """(seconds taken, the Decision or the exception raised)."""
+    started = time.monotonic()
+    try:
+        outcome: object = await limiter.try_acquire("ip:203.0.113.7")
+    except BackendUnavailable as exc:
+        outcome = exc
+    return time.monotonic() - started, outcome
+
+
+async def wait_until_closed(limiter: Limiter, limit_seconds: float) -> float:
+    """Polls decisions until one is healthy again; returns how long that took."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit_seconds:
+        _, outcome = await timed_decision(limiter)
+        if not isinstance(outcome, BaseException) and not outcome.degraded:  # type: ignore[attr-defined]
+            return time.monotonic() - started
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"breaker still not closed after {limit_seconds}s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_error", ["open", "closed", "raise"])
+async def test_sigstop_each_policy_within_deadline_then_breaker_recovers(
+    fresh_standalone: Standalone, prefix: str, on_error: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stopped Redis: failures take ~deadline, the breaker opens, then answers at once."""
+    caplog.set_level(logging.INFO, logger="aiolimit")
+    limiter = make_limiter(fresh_standalone, prefix, on_error)
+    try:
+        assert (await limiter.try_acquire("ip:203.0.113.7")).allowed
+        fresh_standalone.pause()
+        try:
+            failing = [await timed_decision(limiter) for _ in range(THRESHOLD)]
+            short_circuited = [await timed_decision(limiter) for _ in range(5)]
+        finally:
+            fresh_standalone.resume()
+        for seconds, _ in failing:
+            assert DEADLINE * 0.9 <= seconds < DEADLINE + SLACK
+        for seconds, _ in short_circuited:
+            assert seconds < 0.05
+        for _, outcome in failing + short_circuited:
+            if on_error == "raise":
+                assert isinstance(outcome, BackendUnavailable)
+            else:
+                assert outcome.degraded  # type: ignore[attr-defined]
+                assert outcome.allowed is (on_error == "open")  # type: ignore[attr-defined]
+        assert limiter.statistics().breaker.state == "open"
+        recovered_in = await wait_until_closed(limiter, RECOVERY + 3)
+        assert recovered_in < RECOVERY + 1
+        stats = limiter.statistics().breaker
+        assert (stats.state, stats.opened, stats.timeouts) == ("closed", 1, THRESHOLD)
+        assert stats.short_circuited >= 5
+        transitions = [
+            r.getMessage().split(": ")[0] for r in caplog.records if r.name == "aiolimit"
+        ]
+        assert transitions == [
+            "aiolimit circuit breaker closed -> open",
+            "aiolimit circuit breaker open -> half_open",
+            "aiolimit circuit breaker half_open -> closed",
+        ]
+    finally:
+        await limiter.aclose()
+
+
+@pytest.mark.slow
+async def test_kill_fails_fast_and_restart_closes_the_breaker(
+    fresh_standalone: Standalone, prefix: str
+) -> None:
+    """A killed Redis refuses connections: errors come at once, and a restart closes the breaker."""
+    limiter = make_limiter(fresh_standalone, prefix, "open")
+    try:
+        await limiter.try_acquire("ip:203.0.113.7")
+        fresh_standalone.kill()
+        outcomes = [await timed_decision(limiter) for _ in range(THRESHOLD + 2)]
+        assert all(seconds < DEADLINE + SLACK for seconds, _ in outcomes)
+        assert all(outcome.degraded for _, outcome in outcomes)  # type: ignore[attr-defined]
+        assert limiter.statistics().breaker.state == "open"
+        fresh_standalone.restart()
+        recovered_in = await wait_until_closed(limiter, RECOVERY + 5)
+        assert recovered_in < RECOVERY + 3
+        decision = await limiter.try_acquire("ip:203.0.113.7")
+        assert decision.allowed and not decision.degraded
+        assert decision.remaining == 98  # restart emptied the data: 2 charged since
+    finally:
+        await limiter.aclose()
+
+
+async def test_half_open_lets_exactly_one_probe_through(
+    fresh_standalone: Standalone, prefix: str
+) -> None:
+    """While the probe is in flight, every other decision gets the policy's answer at once."""
+    limiter = make_limiter(fresh_standalone, prefix, "closed")
+    try:
+        fresh_standalone.pause()
+        try:
+            for _ in range(THRESHOLD):
+                await limiter.try_acquire("ip:203.0.113.7")
+            await asyncio.sleep(RECOVERY + 0.05)
+            probe = asyncio.create_task(timed_decision(limiter))
+            await asyncio.sleep(0.02)  # the probe now waits on the stopped server
+            others = await asyncio.gather(*(timed_decision(limiter) for _ in range(20)))
+            assert all(seconds < 0.05 for seconds, _ in others)
+            assert limiter.statistics().breaker.state == "half_open"
+            seconds, _ = await probe
+            assert DEADLINE * 0.9 <= seconds < DEADLINE + SLACK
+        finally:
+            fresh_standalone.resume()
+        assert limiter.statistics().breaker.state == "open"  # the probe failed
+    finally:
+        await limiter.aclose()
+
+
+class RecordingStore(RedisStore):
+    """A real Redis store that records the deadline it sees (the contract cluster retries use)."""
+
+    def __init__(self, client: Redis) -> None:
+        super().__init__(client, owns_client=True)
+        self.seen: list[float | None] = []
+
+    async def run(self, keys: Sequence[str], args: Sequence[str | int]) -> list[int]:
+        self.seen.append(time_left())
+        return await super().run(keys, args)
+
+
+async def test_store_sees_the_decision_deadline(redis_url: str, prefix: str) -> None:
+    """Inside a decision, stores see the time left in DECISION_DEADLINE; outside it is None."""
+    store = RecordingStore(client_from_url(redis_url, 2.0))
+    limiter = Limiter(store, [Limit(5, per=60)], prefix=prefix, deadline=0.5)
+    try:
+        await limiter.try_acquire("ip:1")
+        await limiter.peek("ip:1")
+        await limiter.refund("ip:1")
+    finally:
+        await limiter.aclose()
+    assert len(store.seen) == 3
+    assert all(left is not None and 0 < left <= 0.5 for left in store.seen)
+    assert DECISION_DEADLINE.get() is None
+
+
+async def test_no_deadline_means_unbounded(redis_url: str, prefix: str) -> None:
+    """deadline=None: no cancel scope, and stores see no deadline."""
+    store = RecordingStore(client_from_url(redis_url, 2.0))
+    limiter = Limiter(store, [Limit(5, per=60)], prefix=prefix, deadline=None)
+    try:
+        assert (await limiter.try_acquire("ip:1")).allowed
+    finally:
+        await limiter.aclose()
+    assert store.seen == [None]
+
+
+def test_breaker_cancelled_probe_frees_the_slot() -> None:
+    """A probe cancelled from outside does not leave the breaker stuck half-open."""
+    breaker = CircuitBreaker(failure_threshold=1, recovery_time=0.001)
+    breaker.record_failure(RuntimeError("down"))
+    time.sleep(0.002)
+    assert breaker.allow() and breaker.state == "half_open"
+    assert not breaker.allow()
+    breaker.record_abandoned()
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.state == "closed"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"deadline": 0}, {"deadline": -1}, {"on_error": "ignore"}, {"failure_threshold": 0},
+     {"recovery_time": float("nan")}],
+)  # fmt: skip
+def test_bad_failure_options_are_configuration_errors(options: dict[str, object]) -> None:
+    """Invalid deadline, on_error and breaker options fail in the constructor."""
+    with pytest.raises(ValueError):
+        Limiter("memory://", [Limit(1, per=1)], **options)  # type: ignore[arg-type]
