@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
@@ -14,6 +14,9 @@ from aiolimit._clock import Clock, ServerClock
 from aiolimit._scripts import decide_script
 from aiolimit._store import Reply, Store, translate_errors
 
+#: Connections one limiter opens to its server at most (see client_from_url).
+MAX_CONNECTIONS = 100
+
 
 def client_from_url(url: str, socket_timeout: float) -> Redis:
     """A client with aiolimit's settings: bounded timeouts, and no silent retries.
@@ -21,14 +24,21 @@ def client_from_url(url: str, socket_timeout: float) -> Redis:
     redis-py retries a command whose connection dropped by default; for a script that charges
     a counter that would charge twice when only the reply was lost. Retries are the caller's
     (the limiter's) business, with operation ids.
+
+    redis-py's default pool raises ``MaxConnectionsError`` once 100 commands are in flight; a
+    blocking pool makes the 101st concurrent decision wait for a free connection instead
+    (at most ``socket_timeout``, and never past the decision's deadline).
     """
-    return Redis.from_url(
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=socket_timeout,
         socket_timeout=socket_timeout,
         socket_connect_timeout=socket_timeout,
         retry=Retry(NoBackoff(), 0),
         health_check_interval=0,
     )
+    return Redis.from_pool(pool)
 
 
 class RedisStore(Store):
