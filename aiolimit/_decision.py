@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from aiolimit._lease import Lease
 
 
-@dataclass(frozen=True, slots=True)
-class PairDecision:
-    """The verdict of one (identifier, limit) pair within a decision.
+class PairDecision(NamedTuple):
+    """The verdict of one (identifier, limit) pair within a decision (an immutable tuple).
 
     ``remaining`` is what is left after this request (if it was admitted). ``retry_after`` is
     how long until this pair alone would admit the same weight (0.0 if it allows it now);
@@ -60,17 +59,27 @@ class Decision:
         """Merges per-pair verdicts into the decision for the whole call."""
         if not details:
             return cls(True, 0, 0.0, 0.0, None, None, ())
-        refused = [d for d in details if not d.allowed]
-        if refused:
-            binding = max(refused, key=lambda d: d.retry_after)
-        else:
-            binding = min(details, key=lambda d: d.remaining)
+        binding = details[0]
+        allowed = True
+        remaining = binding.remaining
+        reset_after = binding.reset_after
+        for pair in details:
+            if pair.remaining < remaining:
+                remaining = pair.remaining
+            if pair.reset_after > reset_after:
+                reset_after = pair.reset_after
+            if not pair.allowed:
+                if allowed or pair.retry_after > binding.retry_after:
+                    binding = pair
+                allowed = False
+            elif allowed and pair.remaining < binding.remaining:
+                binding = pair
         return cls(
-            allowed=not refused,
-            remaining=min(d.remaining for d in details),
-            retry_after=binding.retry_after if refused else 0.0,
-            reset_after=max(d.reset_after for d in details),
-            identifier=binding.identifier,
-            limit=binding.limit,
-            details=details,
+            allowed,
+            remaining,
+            0.0 if allowed else binding.retry_after,
+            reset_after,
+            binding.identifier,
+            binding.limit,
+            details,
         )

@@ -87,6 +87,7 @@ class Limiter:
             self.clock.ttl_slack_ms,
             count_refused,
             always_op_ids=self._store.retries_calls,
+            single_slot=self._store.single_slot,
         )
         self._counts = {"decisions": 0, "allowed": 0, "refused": 0, "errors": 0, "waits": 0}
 

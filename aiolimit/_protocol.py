@@ -71,11 +71,13 @@ class Protocol:
 
     def __init__(
         self, run: Runner, slot_of: SlotOf, slack_ms: int, penalty: bool, *,
-        always_op_ids: bool = False,
+        always_op_ids: bool = False, single_slot: bool = False,
     ) -> None:  # fmt: skip
         # With always_op_ids every charging call carries an op id, so a runner may retry any
         # call after a lost reply without charging twice (the cluster store does).
         self._always_op_ids = always_op_ids
+        # A single-node store puts every key in one slot: skip the grouping.
+        self._single_slot = single_slot
         self._run = run
         self._slot_of = slot_of
         self._slack_ms = slack_ms
@@ -107,9 +109,9 @@ class Protocol:
         ``max_wait_us`` > 0 lets queueable (GCRA) pairs reserve a turn within that wait; the
         delay comes back as the pairs' ``retry_after`` on an allowed decision.
         """
-        groups = group_by_slot(plans, self._slot_of)
         if not op and self._always_op_ids and mode != CHECK:
             op = new_op_id()
+        groups = [plans] if self._single_slot else group_by_slot(plans, self._slot_of)
         if len(groups) == 1:
             self.statistics.single_slot += 1
             calls = self._calls(mode, groups, weight, now_us, op, max_wait_us)

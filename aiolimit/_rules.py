@@ -29,9 +29,8 @@ class IdentifierPlan:
     identifier: str
     limits: tuple[AnyLimit, ...]
     keys: tuple[str, ...]
-    # Per limit: aux key index relative to this plan (0 = the main key, -1 = none), and the
-    # (algorithm, amount, period µs, param) the script takes.
-    pairs: tuple[tuple[int, str, int, int, int], ...]
+    # This identifier's block of the script's ARGV (see lua/decide.lua), built once.
+    block: tuple[str | int, ...]
     max_weight: int
     has_leases: bool  # a Concurrency limit applies: acquiring takes a lease to release
     queueable: bool  # every limit is GCRA, so acquire may reserve a turn instead of retrying
@@ -99,21 +98,21 @@ class Rules:
     def _plan(self, identifier: str) -> IdentifierPlan:
         limits = self.limits_for(identifier)
         keys = [main_key(self.prefix, identifier)]
-        pairs = []
+        pairs: list[str | int] = []
         for limit in limits:
             suffix = getattr(limit, "aux_suffix", None)
-            aux = -1
+            aux = 0
             if suffix is not None:
-                aux = len(keys)
                 keys.append(aux_key(self.prefix, identifier, suffix))
-            pairs.append((aux, *limit.wire))
+                aux = len(keys)
+            pairs += (aux, *limit.wire)
         max_weight = min((limit.max_weight for limit in limits), default=MAX_WEIGHT)
-        codes = {pair[1] for pair in pairs}
+        codes = {limit.wire[0] for limit in limits}
         return IdentifierPlan(
             identifier,
             limits,
             tuple(keys),
-            tuple(pairs),
+            (len(keys), len(limits), *pairs),
             max_weight,
             has_leases="lease" in codes,
             queueable=codes == {"gcra"},

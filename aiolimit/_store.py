@@ -16,7 +16,7 @@ from typing import Any
 from redis import exceptions as redis_errors
 
 from aiolimit._clock import Clock
-from aiolimit._errors import BackendError, BackendUnavailable
+from aiolimit._errors import BackendError, BackendUnavailable, ConfigurationError
 
 Reply = list[int]
 
@@ -37,7 +37,21 @@ def translate_errors(address: str) -> Iterator[None]:
         OSError,
     ) as exc:
         raise BackendUnavailable(f"store at {address} unavailable: {exc!r}") from exc
+    except redis_errors.ClusterError as exc:
+        # Cluster-level trouble (CLUSTERDOWN, redirections exhausted): nobody answered for
+        # the slot in time.
+        raise BackendUnavailable(f"store at {address} unavailable: {exc!r}") from exc
     except redis_errors.RedisError as exc:
+        raise BackendError(f"store at {address} failed: {exc!r}") from exc
+    except redis_errors.RedisClusterException as exc:
+        # redis-py's cluster client raises these outside the RedisError tree.
+        if "Cluster mode is not enabled" in str(exc):
+            raise ConfigurationError(
+                f"{address} is a cluster URL but the server is not in cluster mode; "
+                "use redis:// for a standalone server"
+            ) from exc
+        if "cannot be connected" in str(exc):
+            raise BackendUnavailable(f"store at {address} unavailable: {exc!r}") from exc
         raise BackendError(f"store at {address} failed: {exc!r}") from exc
 
 
@@ -49,6 +63,8 @@ class Store(ABC):
     #: True if ``run`` may send a call again after a lost reply; the protocol then gives every
     #: charging call an op id, which the scripts apply once.
     retries_calls: bool = False
+    #: True if every key is in one slot (standalone Redis, embedded): one call per decision.
+    single_slot: bool = True
 
     @abstractmethod
     async def run(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:

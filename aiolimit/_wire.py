@@ -18,7 +18,7 @@ REFUND = "refund"
 UNDO = "undo"
 RELEASE = "release"
 RENEW = "renew"
-PAIR_ARGS = 6
+PAIR_FIELDS = 5  # per pair within a block: aux, algorithm, amount, period, param
 REPLY_HEAD = 3
 REPLY_PER_PAIR = 4
 
@@ -52,43 +52,65 @@ def encode(
     penalty: bool = False,
     max_wait_us: int = 0,
 ) -> Call:
-    keys: list[str] = []
-    pair_args: list[str | int] = []
-    npairs = 0
-    for plan in plans:
-        main = len(keys) + 1
-        keys.extend(plan.keys)
-        for aux, algorithm, amount, period, param in plan.pairs:
-            pair_args += (main, main + aux if aux >= 0 else 0, algorithm, amount, period, param)
-            npairs += 1
-    if op:
-        keys.append(plans[0].keys[0] + ":op:" + op)  # same hash tag: same slot
-    now = "" if now_us is None else now_us
     flags = "p" if penalty else ""
     if max_wait_us > 0:
         flags += f"r{max_wait_us}"
-    head: list[str | int] = [mode, now, weight, slack_ms, op, flags, npairs]
-    return Call(keys, head + pair_args, plans)
+    args: list[str | int] = [
+        mode, "" if now_us is None else now_us, weight, slack_ms, op, flags, len(plans)
+    ]  # fmt: skip
+    if len(plans) == 1:
+        plan = plans[0]
+        keys = list(plan.keys)
+        args += plan.block
+    else:
+        keys = []
+        for plan in plans:
+            keys += plan.keys
+            args += plan.block
+    if op:
+        keys.append(plans[0].keys[0] + ":op:" + op)  # same hash tag: same slot
+    return Call(keys, args, plans)
 
 
 def decode(call: Call, raw: Sequence[int]) -> Reply:
     pairs = []
     at = REPLY_HEAD
     for plan in call.plans:
+        identifier = plan.identifier
         for limit in plan.limits:
-            allowed, remaining, retry_us, reset_us = raw[at : at + REPLY_PER_PAIR]
+            retry_us = raw[at + 2]
+            reset_us = raw[at + 3]
             pairs.append(
                 PairDecision(
-                    plan.identifier,
+                    identifier,
                     limit,
-                    bool(allowed),
-                    int(remaining),
-                    max(int(retry_us), 0) / 1_000_000,
-                    max(int(reset_us), 0) / 1_000_000,
+                    raw[at] == 1,
+                    raw[at + 1],
+                    retry_us / 1_000_000 if retry_us > 0 else 0.0,
+                    reset_us / 1_000_000 if reset_us > 0 else 0.0,
                 )
             )
             at += REPLY_PER_PAIR
-    return Reply(bool(raw[0]), bool(raw[1]), int(raw[2]), tuple(pairs))
+    return Reply(raw[0] == 1, raw[1] == 1, raw[2], tuple(pairs))
+
+
+def parse_args(keys: Sequence[str], args: Sequence[str | int]) -> list[tuple[str, ...]]:
+    """The pairs a call's KEYS/ARGV describe: (main key, aux key or "", algorithm, amount,
+    period, param), for tests and tools that stand in for the script."""
+    out: list[tuple[str, ...]] = []
+    at, key_base = 7, 0
+    for _ in range(int(args[6])):
+        nkeys, count = int(args[at]), int(args[at + 1])
+        at += 2
+        for _ in range(count):
+            aux, algorithm, amount, period, param = args[at : at + PAIR_FIELDS]
+            aux_key = keys[key_base + int(aux) - 1] if int(aux) else ""
+            out.append(
+                (keys[key_base], aux_key, str(algorithm), str(amount), str(period), str(param))
+            )
+            at += PAIR_FIELDS
+        key_base += nkeys
+    return out
 
 
 def decision(reply: Reply) -> Decision:

@@ -22,10 +22,13 @@
 -- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway);
 --           "r<µs>" reserves: pairs that can queue (GCRA) admit a request that fits within
 --           that many µs, charging now; its delay is the pair's retry_after while allowed
--- ARGV[7]   P, the number of pairs
--- ARGV[8 + 6(i-1) .. 13 + 6(i-1)]  pair i: main key index, aux key index (0 = none),
---           algorithm code ("sw", ...), amount (integer), period (integer µs),
---           param (integer; meaning per algorithm, see its header)
+-- ARGV[7]   B, the number of identifier blocks; from ARGV[8] on, each block is
+--             K  its number of keys, taken from KEYS in order (the first is the main key)
+--             P  its number of pairs, then per pair 5 values:
+--                aux key (0 = none, else 2..K: its position among the block's keys),
+--                algorithm code ("sw", ...), amount (integer), period (integer µs),
+--                param (integer; meaning per algorithm, see its header)
+--           Blocks carry no absolute key index, so the client caches each identifier's block.
 -- Reply: {allowed 1|0, replay 1|0, now µs,
 --         then per pair i: allowed 1|0, remaining, retry_after µs, reset_after µs}
 --         replay is 1 when the op id had already been applied (or refunded: allowed is 0 then).
@@ -43,27 +46,36 @@ local slack = tonumber(ARGV[4])
 local op = ARGV[5]
 local penalty = string.find(ARGV[6], 'p', 1, true) ~= nil
 local max_wait = tonumber(string.match(ARGV[6], 'r(%d+)')) or 0
-local npairs = tonumber(ARGV[7])
 
 local pairs_ = {}
-for i = 1, npairs do
-  local base = 8 + 6 * (i - 1)
-  local pair = {
-    main = KEYS[tonumber(ARGV[base])],
-    aux = KEYS[tonumber(ARGV[base + 1])],
-    code = ARGV[base + 2],
-    letter = string.sub(ARGV[base + 2], 1, 1),
-    algo = ALGORITHMS[ARGV[base + 2]],
-    amount = tonumber(ARGV[base + 3]),
-    period_s = ARGV[base + 4],
-    period = tonumber(ARGV[base + 4]),
-    param_s = ARGV[base + 5],
-    param = tonumber(ARGV[base + 5]),
-  }
-  if not pair.algo then
-    return redis.error_reply('ERR aiolimit: unknown algorithm ' .. ARGV[base + 2])
+local npairs = 0
+local at = 8
+local key_base = 0
+for _ = 1, tonumber(ARGV[7]) do
+  local nkeys, count = tonumber(ARGV[at]), tonumber(ARGV[at + 1])
+  at = at + 2
+  for _ = 1, count do
+    local aux = tonumber(ARGV[at])
+    local pair = {
+      main = KEYS[key_base + 1],
+      aux = aux > 0 and KEYS[key_base + aux] or nil,
+      code = ARGV[at + 1],
+      letter = string.sub(ARGV[at + 1], 1, 1),
+      algo = ALGORITHMS[ARGV[at + 1]],
+      amount = tonumber(ARGV[at + 2]),
+      period_s = ARGV[at + 3],
+      period = tonumber(ARGV[at + 3]),
+      param_s = ARGV[at + 4],
+      param = tonumber(ARGV[at + 4]),
+    }
+    if not pair.algo then
+      return redis.error_reply('ERR aiolimit: unknown algorithm ' .. ARGV[at + 1])
+    end
+    npairs = npairs + 1
+    pairs_[npairs] = pair
+    at = at + 5
   end
-  pairs_[i] = pair
+  key_base = key_base + nkeys
 end
 
 -- Each identifier judges by max(now, its last write): its time never runs backwards.
