@@ -210,3 +210,46 @@ def test_bad_failure_options_are_configuration_errors(options: dict[str, object]
     """Invalid deadline, on_error and breaker options fail in the constructor."""
     with pytest.raises(ValueError):
         Limiter("memory://", [Limit(1, per=1)], **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("on_error", "status"), [("open", 200), ("closed", 503)])
+async def test_http_load_while_redis_is_stopped(
+    fresh_standalone: Standalone, prefix: str, on_error: str, status: int
+) -> None:
+    """Under concurrent HTTP load with Redis stopped, no request outlives the deadline."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    from test_web_starlette import hello, serve
+
+    from aiolimit.starlette import RateLimitMiddleware
+
+    limiter = make_limiter(fresh_standalone, prefix, on_error)
+    app = Starlette(routes=[Route("/", hello)])
+    app.add_middleware(RateLimitMiddleware, limiter=limiter)
+    try:
+        async with serve(app) as client:
+            healthy = await client.get("/")
+            assert healthy.status_code == 200 and "ratelimit" in healthy.headers
+            fresh_standalone.pause()
+            try:
+                started = time.monotonic()
+                responses = await asyncio.gather(*(client.get("/") for _ in range(40)))
+                elapsed = time.monotonic() - started
+            finally:
+                fresh_standalone.resume()
+            assert {r.status_code for r in responses} == {status}
+            assert elapsed < DEADLINE + 1.0
+            assert all("ratelimit" not in r.headers for r in responses)
+            if status == 503:
+                assert all(
+                    r.headers["content-type"] == "application/problem+json" for r in responses
+                )
+                assert all(int(r.headers["retry-after"]) >= 1 for r in responses)
+            await asyncio.sleep(RECOVERY)
+            after = await client.get("/")
+            after = after if "ratelimit" in after.headers else await client.get("/")
+            assert after.status_code == 200 and "ratelimit" in after.headers
+        assert limiter.statistics().breaker.state == "closed"
+    finally:
+        await limiter.aclose()
