@@ -6,6 +6,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from aiolimit._errors import ConfigurationError
 from aiolimit._store import Store
@@ -22,6 +23,10 @@ def open_store(store: str | Any, *, socket_timeout: float) -> Store:
         from aiolimit._redis_store import RedisStore
 
         return RedisStore(store, owns_client=False)
+    if isinstance(store, RedisCluster):
+        from aiolimit._cluster_store import ClusterStore
+
+        return ClusterStore(store, owns_client=False)
     if not isinstance(store, str):
         raise ConfigurationError(
             "store must be a URL or a redis.asyncio.Redis / RedisCluster client, "
@@ -42,6 +47,10 @@ def open_store(store: str | Any, *, socket_timeout: float) -> Store:
         except ValueError as exc:
             raise ConfigurationError(f"invalid Redis URL {store!r}: {exc}") from exc
         return RedisStore(client, owns_client=True, address=_redact(store))
+    if scheme in CLUSTER_SCHEMES:
+        from aiolimit._cluster_store import ClusterStore
+
+        return ClusterStore.from_url(store, socket_timeout=socket_timeout)
     if scheme == "memory":
         from aiolimit._memory_store import MemoryStore
 

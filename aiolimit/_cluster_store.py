@@ -1,0 +1,332 @@
+"""The Redis Cluster store: one script call per slot, pipelined per node, nodes in parallel.
+
+Built on redis-py's asyncio ``RedisCluster``. When aiolimit builds the client itself it turns
+off what is unsafe for a counter (see ../shared/FACTS.md): ``reinitialize_steps=0`` (every
+n-th MOVED would otherwise close connections with commands in flight), and redis-py's own
+retries (they ignore the backoff and burn out in milliseconds against a dead node). aiolimit
+retries instead (``_retry.py``), with backoff, within the decision's deadline. That is safe
+because ``retries_calls`` is true: the protocol gives every charging call an operation id and
+the script applies an op once, so a call resent after a lost reply never charges twice.
+
+``run_many`` groups calls by the node that owns their slot, sends one pipeline per node and all
+nodes concurrently. A command that comes back NOSCRIPT (after SCRIPT FLUSH, a restart or a
+failover: a promoted replica has no scripts) is sent again as EVAL, which also caches the
+script on that node; redirections (MOVED, ASK, TRYAGAIN) are resent through the cluster client,
+which follows them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError
+
+from aiolimit._clock import Clock, ServerClock
+from aiolimit._errors import ConfigurationError
+from aiolimit._retry import (
+    RetryStatistics,
+    call_with_retries,
+    check_deadline_seconds,
+    current_deadline,
+    is_retryable,
+)
+from aiolimit._scripts import decide_script
+from aiolimit._store import Reply, Store, translate_errors
+from aiolimit._wire import UNDO
+
+#: Seconds a store call may take, retries included, when no decision deadline is set.
+DEFAULT_DEADLINE = 5.0
+
+
+@lru_cache(maxsize=65536)
+def _slot(key: str) -> int:
+    return key_slot(key.encode("utf-8"))
+
+
+def client_from_url(url: str, socket_timeout: float) -> RedisCluster:
+    """A cluster client with aiolimit's settings from ``redis+cluster://`` / ``rediss+cluster://``."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis+cluster", "rediss+cluster"):
+        raise ConfigurationError(f"not a cluster URL: {url!r}")
+    if parts.path not in ("", "/", "/0"):
+        raise ConfigurationError(f"Redis Cluster has only database 0, got path {parts.path!r}")
+    if not parts.hostname:
+        raise ConfigurationError(f"a cluster URL needs a seed host:port, got {url!r}")
+    seed = parts._replace(scheme=scheme.removesuffix("+cluster"), path="").geturl()
+    try:
+        return RedisCluster.from_url(
+            seed,
+            reinitialize_steps=0,
+            retry=Retry(NoBackoff(), 0),
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            health_check_interval=0,
+        )
+    except ValueError as exc:
+        raise ConfigurationError(f"invalid cluster URL {url!r}: {exc}") from exc
+
+
+async def close_client(client: RedisCluster) -> None:
+    """Closes every connection of a cluster client.
+
+    ``RedisCluster.aclose`` does nothing while the client is marked for re-initialisation,
+    which any connection error does; its nodes' connections would then stay open.
+    """
+    await client.aclose()
+    await client.nodes_manager.aclose()
+    await client.nodes_manager.aclose("startup_nodes")
+
+
+@dataclass(slots=True)
+class ClusterStoreStatistics:
+    """Counters of one cluster store (this process only)."""
+
+    #: Script calls asked for (one per slot per phase).
+    calls: int = 0
+    #: Requests sent and answered: a pipeline to one node, a single command or a resend.
+    round_trips: int = 0
+    #: Commands sent again as EVAL because the node had lost the script.
+    noscript: int = 0
+    #: Calls resent after a retryable error, and calls given up at the deadline.
+    retries: int = 0
+    gave_up: int = 0
+
+
+class ClusterStore(Store):
+    """Runs the decision script on a Redis Cluster; ``deadline`` bounds each call's retries."""
+
+    retries_calls = True
+    single_slot = False  # set by the lead: the protocol groups identifiers by slot
+
+    def __init__(
+        self,
+        client: RedisCluster,
+        *,
+        owns_client: bool,
+        address: str | None = None,
+        deadline: float = DEFAULT_DEADLINE,
+    ) -> None:
+        if not isinstance(client, RedisCluster):
+            raise ConfigurationError(
+                f"ClusterStore needs a redis.asyncio.cluster.RedisCluster, got {client!r}"
+            )
+        self.client = client
+        self._owns = owns_client
+        self._script = decide_script()
+        self.deadline = check_deadline_seconds(deadline)
+        if address is None:
+            seed = client.startup_nodes[0] if client.startup_nodes else None
+            address = f"redis+cluster://{seed.host}:{seed.port}" if seed else "redis+cluster://?"
+        self.address = address
+        self._retry = RetryStatistics()
+        self._stats = ClusterStoreStatistics()
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, socket_timeout: float = 2.0, deadline: float = DEFAULT_DEADLINE
+    ) -> ClusterStore:
+        client = client_from_url(url, socket_timeout)
+        return cls(client, owns_client=True, address=_redact(url), deadline=deadline)
+
+    def statistics(self) -> ClusterStoreStatistics:
+        stats = self._stats
+        stats.retries, stats.gave_up = self._retry.retries, self._retry.gave_up
+        return ClusterStoreStatistics(
+            stats.calls, stats.round_trips, stats.noscript, stats.retries, stats.gave_up
+        )
+
+    def slot(self, key: str) -> int:
+        return _slot(key)
+
+    def _deadline_for(self, args: Sequence[str | int]) -> float:
+        """The decision's deadline; an undo always gets a budget of its own.
+
+        An undo compensates charges already made: giving up on it because the decision ran
+        late would leave them behind, so it may finish after the decision's deadline.
+        """
+        own = time.monotonic() + self.deadline
+        if args and args[0] == UNDO:
+            return own
+        shared = current_deadline()
+        return own if shared is None else shared
+
+    # --- one call ---------------------------------------------------------------------------
+
+    async def _send(self, command: str, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
+        body = self._script.sha if command == "EVALSHA" else self._script.source
+        self._stats.round_trips += 1
+        reply: Reply = await self.client.execute_command(command, body, len(keys), *keys, *args)
+        return reply
+
+    async def _eval(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
+        try:
+            return await self._send("EVALSHA", keys, args)
+        except NoScriptError:
+            # The failed EVALSHA ran nothing. EVAL runs it and caches it on whichever node
+            # answers, the slot's owner or, during a migration, the importing node.
+            self._stats.noscript += 1
+            return await self._send("EVAL", keys, args)
+
+    async def run(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
+        if args and args[0] == UNDO:
+            # Compensation must finish even when the decision's deadline cancels the
+            # decision: it has its own budget (see _deadline_for).
+            with anyio.CancelScope(shield=True):
+                return await self._run(keys, args)
+        return await self._run(keys, args)
+
+    async def _run(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
+        self._stats.calls += 1
+        return await call_with_retries(
+            lambda: self._eval(keys, args),
+            deadline=self._deadline_for(args),
+            address=self.address,
+            statistics=self._retry,
+        )
+
+    # --- several calls ----------------------------------------------------------------------
+
+    async def run_many(
+        self, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]]
+    ) -> list[Reply | BaseException]:
+        if any(args and args[0] == UNDO for _, args in calls):
+            with anyio.CancelScope(shield=True):
+                return await self._run_many(calls)
+        return await self._run_many(calls)
+
+    async def _run_many(
+        self, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]]
+    ) -> list[Reply | BaseException]:
+        self._stats.calls += len(calls)
+        deadlines = [self._deadline_for(args) for _, args in calls]
+        results = await self._pipelined(calls, max(deadlines))
+
+        async def finish(index: int) -> None:
+            keys, args = calls[index]
+            first = results[index]
+            assert isinstance(first, BaseException)
+            if isinstance(first, NoScriptError):
+                self._stats.noscript += 1
+
+            async def attempt() -> Reply:
+                if isinstance(first, NoScriptError):
+                    return await self._send("EVAL", keys, args)
+                return await self._eval(keys, args)
+
+            try:
+                results[index] = await call_with_retries(
+                    attempt,
+                    deadline=deadlines[index],
+                    address=self.address,
+                    statistics=self._retry,
+                    failed=first if is_retryable(first) else None,
+                )
+            except Exception as exc:
+                results[index] = exc
+
+        redo = [
+            index
+            for index, result in enumerate(results)
+            if isinstance(result, BaseException) and _resendable(result)
+        ]
+        if redo:
+            async with anyio.create_task_group() as group:
+                for index in redo:
+                    group.start_soon(finish, index)
+        for index, result in enumerate(results):
+            if isinstance(result, Exception) and index not in redo:
+                # Not retryable: translate it like every other store error.
+                results[index] = _translated(result, self.address)
+        return results
+
+    async def _pipelined(
+        self, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]], deadline: float
+    ) -> list[Reply | BaseException]:
+        """One attempt: a pipeline per node, nodes concurrently; each result or its error."""
+        results: list[Reply | BaseException] = [
+            TimeoutError("not sent before the deadline") for _ in calls
+        ]
+        client = self.client
+        try:
+            with anyio.fail_after(max(deadline - time.monotonic(), 0.0)):
+                await client.initialize()
+                by_node: dict[str, tuple[ClusterNode, list[PipelineCommand]]] = {}
+                sha = self._script.sha
+                for index, (keys, args) in enumerate(calls):
+                    node = client.get_node_from_key(keys[0])
+                    if node is None:  # pragma: no cover - only with replica=True
+                        raise ConfigurationError(f"no node serves {keys[0]!r}")
+                    command = PipelineCommand(index, "EVALSHA", sha, len(keys), *keys, *args)
+                    by_node.setdefault(node.name, (node, []))[1].append(command)
+
+                async def send(node: ClusterNode, commands: list[PipelineCommand]) -> None:
+                    self._stats.round_trips += 1
+                    try:
+                        await node.execute_pipeline(commands)
+                    except Exception as exc:
+                        for command in commands:
+                            if command.result is None:
+                                command.result = exc
+                    for command in commands:
+                        results[command.position] = command.result
+
+                await asyncio.gather(*(send(node, cmds) for node, cmds in by_node.values()))
+        except Exception as exc:
+            for index, result in enumerate(results):
+                if not isinstance(result, list):
+                    results[index] = exc
+        return results
+
+    # --- the rest ---------------------------------------------------------------------------
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+
+        async def attempt() -> None:
+            await self.client.delete(*keys)
+
+        await call_with_retries(
+            attempt, deadline=time.monotonic() + self.deadline, address=self.address
+        )
+
+    def default_clock(self) -> Clock:
+        return ServerClock()
+
+    async def aclose(self) -> None:
+        if self._owns:
+            await close_client(self.client)
+
+    def describe(self) -> dict[str, Any]:
+        return {"address": self.address, "deadline": self.deadline}
+
+
+def _resendable(error: BaseException) -> bool:
+    return isinstance(error, NoScriptError) or is_retryable(error)
+
+
+def _translated(error: Exception, address: str) -> BaseException:
+    try:
+        with translate_errors(address):
+            raise error
+    except Exception as translated:
+        return translated
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@")).geturl()

@@ -1,0 +1,259 @@
+"""The cluster store on the real local 3+3 cluster: routing, all or nothing across primaries,
+pipelines per node, NOSCRIPT, and typed errors for bad or broken clusters.
+
+Stored state is read back raw (HGETALL of each identifier's main key) and compared exactly.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+import cluster
+from aiolimit import BackendUnavailable, ConfigurationError, Limit, Limiter
+from aiolimit._cluster_store import ClusterStore
+from aiolimit._keys import main_key
+
+pytestmark = pytest.mark.cluster
+
+LIMITS = [Limit(3, per=600), Limit(5, per=3600, precision=60)]
+
+
+def wire(limit: Limit) -> str:
+    """The ``<period µs>/<precision µs>:`` part of a limit's bucket fields."""
+    return f"{round(limit.per * 1e6)}/{round((limit.precision or limit.per) * 1e6)}:"
+
+
+def charged(fields: dict[str, str], limit: Limit) -> int:
+    """Total weight stored in ``limit``'s buckets (fields ``<code><P>/<p>:<index>``)."""
+    tail = wire(limit)
+    return sum(int(value) for name, value in fields.items() if name[1:].startswith(tail))
+
+
+def owners(nodes: cluster.Cluster, prefix: str, identifiers: list[str]) -> list[int]:
+    """The port of the primary owning each identifier's slot."""
+    return [
+        nodes.node_for_slot(key_slot(main_key(prefix, ident).encode())).port
+        for ident in identifiers
+    ]
+
+
+def on_distinct_primaries(nodes: cluster.Cluster, prefix: str, count: int) -> list[str]:
+    """``count`` identifiers whose slots are owned by ``count`` different primaries."""
+    found: dict[int, str] = {}
+    for i in range(10_000):
+        ident = f"user:{i}"
+        (port,) = owners(nodes, prefix, [ident])
+        found.setdefault(port, ident)
+        if len(found) == count:
+            return list(found.values())
+    raise AssertionError("could not spread identifiers over the primaries")
+
+
+def same_slot_pair(prefix: str) -> list[str]:
+    """Two distinct identifiers whose main keys hash to the same slot."""
+    seen: dict[int, str] = {}
+    for i in range(200_000):
+        ident = f"ip:{i}"
+        slot = key_slot(main_key(prefix, ident).encode())
+        if slot in seen:
+            return [seen[slot], ident]
+        seen[slot] = ident
+    raise AssertionError("no slot collision found")
+
+
+@pytest.fixture
+async def raw(redis_cluster_seed_url: str) -> AsyncIterator[RedisCluster]:
+    client = RedisCluster.from_url(redis_cluster_seed_url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def limiter(redis_cluster_url: str, prefix: str) -> AsyncIterator[Limiter]:
+    async with Limiter(redis_cluster_url, LIMITS, prefix=prefix, deadline=5.0) as limiter:
+        yield limiter
+
+
+async def snapshot(raw: RedisCluster, prefix: str, identifiers: list[str]) -> dict[str, dict]:
+    return {ident: await raw.hgetall(main_key(prefix, ident)) for ident in identifiers}
+
+
+async def test_cross_primary_admission_charges_every_pair_once(
+    limiter: Limiter, raw: RedisCluster, local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """Identifiers on three primaries: an admitted weight is stored once on every pair."""
+    ids = on_distinct_primaries(local_cluster, prefix, 3)
+    assert len(set(owners(local_cluster, prefix, ids))) == 3
+    decision = await limiter.try_acquire(ids, 2)
+    assert decision.allowed
+    for fields in (await snapshot(raw, prefix, ids)).values():
+        assert [charged(fields, limit) for limit in LIMITS] == [2, 2]
+    assert limiter.statistics().multi_slot_decisions == 1
+
+
+async def test_refusal_on_one_primary_leaves_every_slot_unchanged(
+    limiter: Limiter, raw: RedisCluster, local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """One identifier full: the cross-slot request is refused and no slot changes at all."""
+    ids = on_distinct_primaries(local_cluster, prefix, 3)
+    await limiter.try_acquire(ids, 1)
+    assert (await limiter.try_acquire(ids[1], 2)).allowed  # ids[1] is now at 3 of 3
+    before = await snapshot(raw, prefix, ids)
+    ops_before = sorted(await raw.keys(f"{prefix}:*:op:*", target_nodes=RedisCluster.PRIMARIES))
+    decision = await limiter.try_acquire(ids, 1)
+    assert not decision.allowed
+    assert decision.identifier == ids[1]
+    assert await snapshot(raw, prefix, ids) == before
+    # A refusal at check writes no op record either.
+    ops_after = sorted(await raw.keys(f"{prefix}:*:op:*", target_nodes=RedisCluster.PRIMARIES))
+    assert ops_after == ops_before
+
+
+async def test_shared_slot_is_one_call(limiter: Limiter, raw: RedisCluster, prefix: str) -> None:
+    """Identifiers whose keys share a slot are decided by one atomic call, no two phases."""
+    ids = same_slot_pair(prefix)
+    store = limiter.store
+    assert isinstance(store, ClusterStore)
+    before = store.statistics().round_trips
+    assert (await limiter.try_acquire(ids, 1)).allowed
+    assert store.statistics().round_trips - before == 1
+    assert limiter.statistics().multi_slot_decisions == 0
+    for fields in (await snapshot(raw, prefix, ids)).values():
+        assert [charged(fields, limit) for limit in LIMITS] == [1, 1]
+
+
+async def test_calls_for_one_node_share_a_pipeline(
+    limiter: Limiter, local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """Six slots on three primaries cost three pipelines per phase: six round trips in all."""
+    ids: list[str] = []
+    per_node: dict[int, int] = {}
+    for i in range(10_000):
+        ident = f"user:{i}"
+        (port,) = owners(local_cluster, prefix, [ident])
+        if per_node.get(port, 0) < 2:
+            per_node[port] = per_node.get(port, 0) + 1
+            ids.append(ident)
+        if len(ids) == 6:
+            break
+    store = limiter.store
+    assert isinstance(store, ClusterStore)
+    before = store.statistics()
+    assert (await limiter.try_acquire(ids, 1)).allowed
+    after = store.statistics()
+    assert after.calls - before.calls == 12  # a check and a commit per slot
+    assert after.round_trips - before.round_trips == 6  # one pipeline per node per phase
+
+
+async def test_a_client_passed_in_is_used_and_left_open(
+    redis_cluster_seed_url: str, prefix: str
+) -> None:
+    """A RedisCluster the user passes is used as is and not closed by the limiter."""
+    client = RedisCluster.from_url(redis_cluster_seed_url)
+    try:
+        async with Limiter(client, LIMITS, prefix=prefix) as limiter:
+            assert isinstance(limiter.store, ClusterStore)
+            assert (await limiter.try_acquire(["user:1", "user:2"], 1)).allowed
+        assert await client.ping()
+    finally:
+        await client.aclose()
+
+
+async def test_lost_scripts_are_reloaded_without_double_charge(
+    limiter: Limiter, raw: RedisCluster, local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """After SCRIPT FLUSH on every primary, decisions still succeed and charge once."""
+    ids = on_distinct_primaries(local_cluster, prefix, 3)
+    assert (await limiter.try_acquire(ids, 1)).allowed
+    local_cluster.flush_scripts()
+    store = limiter.store
+    assert isinstance(store, ClusterStore)
+    before = store.statistics().noscript
+    assert (await limiter.try_acquire(ids, 1)).allowed
+    assert store.statistics().noscript - before >= 3
+    for fields in (await snapshot(raw, prefix, ids)).values():
+        assert [charged(fields, limit) for limit in LIMITS] == [2, 2]
+
+
+# --- bad input and broken clusters ----------------------------------------------------------
+
+
+async def test_a_standalone_server_is_not_a_cluster(redis_url: str, prefix: str) -> None:
+    """redis+cluster:// pointing at a standalone server: a ConfigurationError at once."""
+    url = redis_url.replace("redis://", "redis+cluster://", 1).removesuffix("/0")
+    async with Limiter(url, LIMITS, prefix=prefix, deadline=3.0) as limiter:
+        started = time.monotonic()
+        with pytest.raises(ConfigurationError, match="not in cluster mode"):
+            await limiter.try_acquire("user:1")
+        assert time.monotonic() - started < 1.0  # not retried until the deadline
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def test_no_cluster_listening_is_unavailable_within_the_deadline(prefix: str) -> None:
+    """Nothing listens at the seed: BackendUnavailable, after retries, within the deadline."""
+    url = f"redis+cluster://127.0.0.1:{free_port()}"
+    async with Limiter(url, LIMITS, prefix=prefix, deadline=0.6) as limiter:
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            await limiter.try_acquire(["user:1", "user:2"])
+        assert 0.3 < time.monotonic() - started < 1.2
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis+cluster://127.0.0.1:7000/2", "redis+cluster:///", "redis+cluster://h:notaport"],
+)
+def test_malformed_cluster_urls_are_refused_at_construction(url: str) -> None:
+    """A cluster URL with a database, no host or a bad port fails when the limiter is built."""
+    with pytest.raises(ConfigurationError):
+        Limiter(url, LIMITS)
+
+
+@pytest.mark.slow
+async def test_partially_down_cluster_gives_typed_errors_within_the_deadline(
+    fresh_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """A paused primary, then a primary dead with its replica: decisions that need them fail
+    with BackendUnavailable within the deadline; none hangs."""
+    nodes = fresh_cluster
+    victim = nodes.primaries()[0]
+    ids = on_distinct_primaries(nodes, prefix, 3)
+    victim_id = ids[owners(nodes, prefix, ids).index(victim.port)]
+    healthy = [ident for ident in ids if ident != victim_id]
+    async with Limiter(nodes.url, LIMITS, prefix=prefix, deadline=0.8) as limiter:
+        assert (await limiter.try_acquire(ids, 1)).allowed
+        victim.pause()
+        try:
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailable):
+                await limiter.try_acquire(ids, 1)
+            assert time.monotonic() - started < 1.3
+            # Slots on the other primaries are still served while one primary is paused.
+            assert (await limiter.try_acquire(healthy, 1)).allowed
+        finally:
+            victim.resume()
+        nodes.wait_healthy()
+        owner = nodes.node_for_slot(key_slot(main_key(prefix, victim_id).encode()))
+        its_replicas = [
+            node for node in nodes.replicas() if int(node.execute("ROLE")[2]) == owner.port
+        ]
+        assert its_replicas
+        owner.kill()
+        for node in its_replicas:
+            node.kill()  # its slots now have no node at all
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            await limiter.try_acquire(ids, 1)
+        assert time.monotonic() - started < 1.3

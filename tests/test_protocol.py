@@ -1,0 +1,254 @@
+"""The two-phase protocol (aiolimit/_protocol.py) alone, with an in-memory runner.
+
+No server: ``FakeSlots`` interprets the script's calling convention (lua/decide.lua) for plain
+counters (one per identifier and limit, no time), op records included, and lets a test step
+in before a call (another client racing between the phases, a lost reply). What is pinned
+here is orchestration: which calls go out, in which phase, and what the final state is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from aiolimit import BackendUnavailable, Limit
+from aiolimit._protocol import Protocol
+from aiolimit._rules import Rules
+from aiolimit._wire import Call
+
+LIMITS = [Limit(3, per=60), Limit(5, per=3600)]
+SLOTS = {"a": 1, "b": 2, "c": 3, "a2": 1}
+
+Hook = Callable[[str, Call], None]
+
+
+class LostReply(ConnectionError):
+    """The call ran on the server but its reply never came back."""
+
+
+class FakeSlots:
+    """Counters per (main key, limit) and op records, judged the way decide.lua judges."""
+
+    def __init__(self) -> None:
+        self.used: dict[tuple[str, str], int] = {}
+        self.ops: dict[str, str] = {}  # op key -> 'A' applied, 'R' undone
+        self.sent: list[tuple[str, str]] = []  # (mode, first identifier) in send order
+        self.before: Hook | None = None
+        self.after: Hook | None = None
+
+    def pairs(self, call: Call) -> list[tuple[tuple[str, str], int]]:
+        """(counter key, amount) per pair, in the order the reply lists them."""
+        return [
+            ((plan.keys[0], str(limit)), limit.amount)
+            for plan in call.plans
+            for limit in plan.limits
+        ]
+
+    def fill(self, identifier: str, rules: Rules) -> None:
+        """Another client uses up every limit of ``identifier``."""
+        plan = rules.plan(identifier)
+        for limit in plan.limits:
+            self.used[(plan.keys[0], str(limit))] = limit.amount
+
+    def execute(self, call: Call) -> list[int]:
+        mode, weight, op = str(call.args[0]), int(call.args[2]), str(call.args[4])
+        if op:
+            op = call.keys[-1]  # op records live per slot, under the op key
+        pairs = self.pairs(call)
+        self.sent.append((mode, call.plans[0].identifier))
+        if self.before is not None:
+            self.before(mode, call)
+        fits = [self.used.get(key, 0) + weight <= amount for key, amount in pairs]
+        allowed, replay = all(fits), False
+        if mode == "acquire":
+            record = self.ops.get(op) if op else None
+            if record is not None:
+                allowed, replay = record == "A", True
+            elif allowed:
+                for key, _ in pairs:
+                    self.used[key] = self.used.get(key, 0) + weight
+                if op:
+                    self.ops[op] = "A"
+        elif mode == "undo":
+            assert op, "undo needs an op id"
+            if self.ops.get(op) == "A":
+                for key, _ in pairs:
+                    self.used[key] -= weight
+            else:
+                replay = True
+            self.ops[op] = "R"
+            allowed = True
+        reply = [int(allowed), int(replay), 0]
+        for (key, amount), fit in zip(pairs, fits, strict=True):
+            reply += [int(fit), max(amount - self.used.get(key, 0), 0), 0, 0]
+        if self.after is not None:
+            self.after(mode, call)
+        return reply
+
+    async def run(self, calls: Sequence[Call]) -> list[list[int] | BaseException]:
+        results: list[list[int] | BaseException] = []
+        for call in calls:
+            try:
+                results.append(self.execute(call))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def modes(self) -> list[str]:
+        return [mode for mode, _ in self.sent]
+
+
+@pytest.fixture
+def rules() -> Rules:
+    return Rules(LIMITS, "p")
+
+
+@pytest.fixture
+def slots() -> FakeSlots:
+    return FakeSlots()
+
+
+def protocol(slots: FakeSlots, *, op_ids: bool = True) -> Protocol:
+    def slot_of(key: str) -> int:
+        return SLOTS[key.split("{")[1].rstrip("}")]
+
+    return Protocol(slots.run, slot_of, 0, False, always_op_ids=op_ids)
+
+
+async def test_one_slot_is_one_call_without_a_check_phase(slots: FakeSlots, rules: Rules) -> None:
+    """Identifiers sharing a slot are decided by a single acquire call, no check phase."""
+    proto = protocol(slots)
+    decision = await proto.decide("acquire", rules.plans(["a", "a2"]), 1, None)
+    assert decision.allowed
+    assert slots.modes() == ["acquire"]
+    assert proto.statistics.single_slot == 1
+    assert proto.statistics.multi_slot == 0
+
+
+async def test_every_charging_call_gets_an_op_id_when_the_store_retries(
+    slots: FakeSlots, rules: Rules
+) -> None:
+    """With always_op_ids, a single-slot acquire carries an op id and its op key; check none."""
+    seen: list[Call] = []
+    slots.before = lambda mode, call: seen.append(call)
+    proto = protocol(slots)
+    await proto.decide("acquire", rules.plans(["a"]), 1, None)
+    await proto.decide("check", rules.plans(["a"]), 1, None)
+    acquire, check = seen
+    assert acquire.args[4] and acquire.keys[-1].endswith(":op:" + str(acquire.args[4]))
+    assert check.args[4] == ""
+
+
+async def test_all_slots_admitted_charges_every_slot_once(slots: FakeSlots, rules: Rules) -> None:
+    """Across slots: check on every slot, then one commit per slot, and every pair charged."""
+    proto = protocol(slots)
+    decision = await proto.decide("acquire", rules.plans(["a", "b", "c"]), 2, None)
+    assert decision.allowed
+    assert slots.modes() == ["check"] * 3 + ["acquire"] * 3
+    assert set(slots.used.values()) == {2}
+    assert len(slots.used) == 6
+
+
+async def test_refusal_at_check_writes_nothing(slots: FakeSlots, rules: Rules) -> None:
+    """One full slot refuses at check: no commit is sent and no slot changes."""
+    slots.fill("b", rules)
+    before = dict(slots.used)
+    proto = protocol(slots)
+    decision = await proto.decide("acquire", rules.plans(["a", "b", "c"]), 1, None)
+    assert not decision.allowed
+    assert slots.modes() == ["check"] * 3
+    assert slots.used == before
+    assert proto.statistics.refused_at_check == 1
+    assert proto.statistics.compensations == 0
+
+
+async def test_refused_commit_undoes_the_other_slots(slots: FakeSlots, rules: Rules) -> None:
+    """A commit refused after a passed check (a racing client) triggers undo on the slots
+    that charged, and the final state equals "never happened"."""
+
+    def race(mode: str, call: Call) -> None:
+        if mode == "acquire" and call.plans[0].identifier == "b":
+            slots.fill("b", rules)
+
+    slots.before = race
+    proto = protocol(slots)
+    decision = await proto.decide("acquire", rules.plans(["a", "b", "c"]), 1, None)
+    assert not decision.allowed
+    undone = sorted(ident for mode, ident in slots.sent if mode == "undo")
+    assert undone == ["a", "c"]  # b refused, so it charged nothing and needs no undo
+    full = {key: value for key, value in slots.used.items() if "{b}" not in key[0]}
+    assert set(full.values()) == {0}
+    assert proto.statistics.compensations == 1
+    assert proto.statistics.compensation_errors == 0
+
+
+async def test_error_mid_commit_undoes_then_raises(slots: FakeSlots, rules: Rules) -> None:
+    """A commit whose reply is lost is undone with the others, then the error is raised."""
+
+    def lose(mode: str, call: Call) -> None:
+        if mode == "acquire" and call.plans[0].identifier == "c":
+            raise LostReply("reply lost")
+
+    slots.after = lose  # c's commit ran, only its reply is lost
+    proto = protocol(slots)
+    with pytest.raises(LostReply):
+        await proto.decide("acquire", rules.plans(["a", "b", "c"]), 1, None)
+    assert sorted(ident for mode, ident in slots.sent if mode == "undo") == ["a", "b", "c"]
+    assert set(slots.used.values()) == {0}
+    assert proto.statistics.compensations == 1
+
+
+async def test_undo_before_a_late_commit_blocks_it(slots: FakeSlots, rules: Rules) -> None:
+    """An undo that overtakes its commit (the commit never arrived) tombstones the op: the
+    late commit then charges nothing."""
+
+    def never_arrives(mode: str, call: Call) -> None:
+        if mode == "acquire" and call.plans[0].identifier == "b":
+            raise LostReply("request lost on the way")
+
+    slots.before = never_arrives
+    proto = protocol(slots)
+    late: list[Call] = []
+    original = slots.execute
+
+    def record(call: Call) -> list[int]:
+        if call.args[0] == "acquire" and call.plans[0].identifier == "b":
+            late.append(call)
+        return original(call)
+
+    slots.execute = record  # type: ignore[method-assign]
+    with pytest.raises(LostReply):
+        await proto.decide("acquire", rules.plans(["a", "b"]), 1, None)
+    slots.before = None
+    reply = original(late[0])  # the lost commit finally reaches the server
+    assert reply[:2] == [0, 1]  # refused, as a replay of a cancelled op
+    assert set(slots.used.values()) == {0}
+
+
+async def test_failed_undo_is_counted_and_raised(slots: FakeSlots, rules: Rules) -> None:
+    """If compensation itself fails, compensation_errors counts it and the error surfaces."""
+
+    def chaos(mode: str, call: Call) -> None:
+        if mode == "acquire" and call.plans[0].identifier == "b":
+            slots.fill("b", rules)
+        if mode == "undo":
+            raise BackendUnavailable("store gone")
+
+    slots.before = chaos
+    proto = protocol(slots)
+    with pytest.raises(BackendUnavailable):
+        await proto.decide("acquire", rules.plans(["a", "b"]), 1, None)
+    assert proto.statistics.compensations == 1
+    assert proto.statistics.compensation_errors == 1
+
+
+async def test_statistics_count_slots_per_call(slots: FakeSlots, rules: Rules) -> None:
+    """slots_per_call histograms multi-slot decisions by their number of slots."""
+    proto = protocol(slots)
+    await proto.decide("acquire", rules.plans(["a", "b"]), 1, None)
+    await proto.decide("acquire", rules.plans(["a", "b", "c"]), 1, None)
+    await proto.decide("acquire", rules.plans(["a", "a2"]), 1, None)
+    stats = proto.statistics
+    assert (stats.single_slot, stats.multi_slot) == (1, 2)
+    assert stats.slots_per_call == {2: 1, 3: 1}
