@@ -65,19 +65,33 @@ def _seed_scheme(url: str) -> str:
     return url.replace("redis+cluster://", "redis://", 1)
 
 
+def _result_or_fail(start: Callable[[], Any]) -> Any:
+    """`start()`, but a missing server binary fails the test with just the how-to-fix text."""
+    try:
+        return start()
+    except cluster.ServerBinaryNotFound as error:
+        message = str(error)
+    pytest.fail(message, pytrace=False)  # outside `except`: no chained traceback
+
+
 class _SessionServers:
     """The session's shared servers, each started at most once and stopped at the end.
 
     On first use, everything the collected tests will need is started concurrently; a
-    server nobody planned for (a dynamic getfixturevalue) is started when asked.
+    server nobody planned for (a fixture reached through getfixturevalue) starts when asked.
     """
 
     def __init__(self, needed_fixtures: set[str]) -> None:
         self._needed = needed_fixtures
         self._planned = False
-        self._use_container = False
+        self._use_container: bool | None = None  # decided by the Docker probe, once
         self._results: dict[str, Future[Any]] = {}
         self._stoppers: list[Callable[[], None]] = []
+
+    def _container_wanted(self) -> bool:
+        if self._use_container is None:
+            self._use_container = _docker_daemon_answers()
+        return self._use_container
 
     def _plan(self) -> None:
         if self._planned:
@@ -86,8 +100,7 @@ class _SessionServers:
         names = set()
         if not os.environ.get("REDIS_URL"):
             wants_url = "redis_url" in self._needed
-            self._use_container = wants_url and _docker_daemon_answers()
-            if self._use_container:
+            if wants_url and self._container_wanted():
                 names.add("container_url")
             if "local_standalone" in self._needed or (wants_url and not self._use_container):
                 names.add("standalone")
@@ -122,15 +135,12 @@ class _SessionServers:
         self._plan()
         if name not in self._results:
             self._start({name})
-        try:
-            return self._results[name].result()
-        except cluster.ServerBinaryNotFound as error:
-            pytest.fail(str(error), pytrace=False)
+        return _result_or_fail(self._results[name].result)
 
     def standalone_url(self) -> str:
         """The shared standalone's URL: the container's if Docker is in use, else local."""
         self._plan()
-        if self._use_container:
+        if self._container_wanted():
             url: str = self.get("container_url")
             return url
         server: Standalone = self.get("standalone")
@@ -194,17 +204,10 @@ def redis_cluster_seed_url(redis_cluster_url: str) -> str:
     return _seed_scheme(redis_cluster_url)
 
 
-def _start_or_fail(start: Callable[[], Any]) -> Any:
-    try:
-        return start()
-    except cluster.ServerBinaryNotFound as error:
-        pytest.fail(str(error), pytrace=False)
-
-
 @pytest.fixture
 def fresh_standalone() -> Iterator[Standalone]:
     """A server of this test's own, free to kill, pause or restart."""
-    server: Standalone = _start_or_fail(cluster.start_standalone)
+    server: Standalone = _result_or_fail(cluster.start_standalone)
     with server:
         yield server
 
@@ -212,7 +215,7 @@ def fresh_standalone() -> Iterator[Standalone]:
 @pytest.fixture
 def fresh_cluster() -> Iterator[Cluster]:
     """A 3-primary, 1-replica-each cluster of this test's own (~2 s to start)."""
-    nodes: Cluster = _start_or_fail(cluster.start_cluster)
+    nodes: Cluster = _result_or_fail(cluster.start_cluster)
     with nodes:
         yield nodes
 

@@ -238,8 +238,10 @@ def test_migrate_slots_moves_keys_while_clients_write() -> None:
         thread = threading.Thread(target=write)
         thread.start()
         try:
-            while acknowledged[0] < 50:
+            deadline = time.monotonic() + 5
+            while acknowledged[0] < 50 and time.monotonic() < deadline:
                 time.sleep(0.005)
+            assert acknowledged[0] >= 50, f"the writer is stuck ({failed[0]} errors)"
             moved = nodes.migrate_slots([slot], target, keys_per_batch=7)
         finally:
             done.set()
