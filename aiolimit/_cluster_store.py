@@ -108,6 +108,7 @@ class ClusterStore(Store):
     """Runs the decision script on a Redis Cluster; ``deadline`` bounds each call's retries."""
 
     retries_calls = True
+    single_slot = False
     single_slot = False  # set by the lead: the protocol groups identifiers by slot
 
     def __init__(
