@@ -15,6 +15,7 @@ limit and are off by default.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import ipaddress
@@ -313,7 +314,15 @@ def _seconds(value: object) -> float | None:
 
 
 def quota_and_window(limit: Any) -> tuple[int, int] | None:
-    """(quota, window in whole seconds) of any limit type, or None if it cannot say.
+    """(quota, window in whole seconds) of any limit type, or None if it cannot say (cached)."""
+    try:
+        return _described(limit)
+    except TypeError:  # an unhashable limit type
+        return _describe(limit)
+
+
+def _describe(limit: Any) -> tuple[int, int] | None:
+    """How ``quota_and_window`` reads a limit.
 
     ``Limit`` has ``amount``/``per``. Other algorithms are read by duck typing: a capacity
     (``amount``, ``capacity``, ``burst``, ``limit``, else ``max_weight``) and a window
@@ -343,6 +352,8 @@ def quota_and_window(limit: Any) -> tuple[int, int] | None:
     return quota, max(1, math.ceil(window))
 
 
+_described = functools.lru_cache(maxsize=1024)(_describe)
+
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.*-]")
 
 
@@ -364,13 +375,19 @@ class _Item:
     pair: PairDecision
 
 
-def _items(decision: Decision) -> list[_Item]:
-    """One item per policy name: the tightest pair when two identifiers share a name."""
+def _items(decision: Decision, weight: int = 1) -> list[_Item]:
+    """One item per policy name: the tightest pair when two identifiers share a name.
+
+    A pair's ``remaining`` is what would be left after this request; when the decision was
+    refused nothing was charged, so a pair that had room still has ``weight`` more available.
+    """
     chosen: dict[str, _Item] = {}
     for pair in decision.details:
         described = quota_and_window(pair.limit)
         if described is None:
             continue
+        if not decision.allowed and pair.allowed:
+            pair = pair._replace(remaining=pair.remaining + weight)
         name = policy_name(pair.identifier, *described)
         current = chosen.get(name)
         if current is None or (pair.allowed, pair.remaining) < (
@@ -386,11 +403,13 @@ def retry_after_seconds(decision: Decision) -> int:
     return max(1, math.ceil(decision.retry_after - 1e-9))
 
 
-def rate_limit_headers(decision: Decision, *, legacy: bool = False) -> list[tuple[str, str]]:
+def rate_limit_headers(
+    decision: Decision, *, weight: int = 1, legacy: bool = False
+) -> list[tuple[str, str]]:
     """The headers for any response this decision covers (none for a degraded one)."""
     if decision.degraded or not decision.details:
         return []
-    items = _items(decision)
+    items = _items(decision, weight)
     headers: list[tuple[str, str]] = []
     if items:
         policies = ", ".join(f'"{i.name}";q={i.quota};w={i.window}' for i in items)
@@ -509,7 +528,7 @@ async def judge(
     except WeightNeverFits as exc:
         status, body = never_fits_body(exc)
         return Verdict(rule.limiter, ids, weight, None, [], status, body)
-    headers = rate_limit_headers(decision, legacy=legacy)
+    headers = rate_limit_headers(decision, weight=weight, legacy=legacy)
     if decision.allowed:
         return Verdict(rule.limiter, ids, weight, decision, headers)
     status, body = problem_body(decision)

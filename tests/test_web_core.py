@@ -150,7 +150,7 @@ def test_refused_headers_retry_after_is_the_largest_rounded_up() -> None:
     headers = dict(rate_limit_headers(decision, legacy=True))
     assert headers["Retry-After"] == "13"
     assert headers["RateLimit"] == (
-        '"ip-10-per-1s";r=0;t=1, "user-100-per-60s";r=0;t=13, "api-1000-per-3600s";r=999;t=3000'
+        '"ip-10-per-1s";r=0;t=1, "user-100-per-60s";r=0;t=13, "api-1000-per-3600s";r=1000;t=3000'
     )
     assert headers["X-RateLimit-Limit"] == "100"
     assert headers["X-RateLimit-Reset"] == "13"

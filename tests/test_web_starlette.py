@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated
 
 import httpx
 import pytest
@@ -270,15 +269,17 @@ def fastapi_app(limiter: Limiter, **options: object) -> FastAPI:
     guard = RateLimit(limiter, **options)  # type: ignore[arg-type]
 
     @app.get("/who")
-    async def who(decision: Annotated[Decision | None, Depends(guard)]) -> dict[str, object]:
+    # Depends() as a default (not Annotated): `guard` is local, and string annotations
+    # (from __future__ import annotations) cannot see it.
+    async def who(decision: Decision | None = Depends(guard)) -> dict[str, object]:  # noqa: B008
         return {"ids": [p.identifier for p in decision.details] if decision else []}
 
     @app.get("/fail")
-    async def fail(_: Annotated[object, Depends(guard)]) -> None:
+    async def fail(_: object = Depends(guard)) -> None:
         raise HTTPException(502, "upstream failed")
 
     @app.get("/missing")
-    async def missing(_: Annotated[object, Depends(guard)]) -> None:
+    async def missing(_: object = Depends(guard)) -> None:
         raise HTTPException(404, "no such thing")
 
     @app.get("/free")

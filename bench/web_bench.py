@@ -1,0 +1,198 @@
+"""Requests per second through a real uvicorn app: bare, behind aiolimit, behind slowapi.
+
+    .venv/bin/python bench/web_bench.py [--seconds 5] [--rounds 2] [--concurrency 32]
+
+Each variant is the same Starlette app ("GET /" answers a short text) in its own uvicorn process
+on a free loopback port, against one local redis-server started here. This process is the load
+generator (aiohttp client, ``concurrency`` keep-alive connections). Limits are set so high that
+nothing is refused: what is measured is the cost of an admitted request. Variants run
+interleaved for ``rounds`` rounds; the table shows the median. Bounded: about
+3 x rounds x (seconds + 2) seconds.
+
+- bare: the app alone.
+- aiolimit: ``RateLimitMiddleware``, one identifier (the client IP) under one limit, headers on.
+- aiolimit-3: three identifiers (ip, user, route) x two limits each, one script call.
+- slowapi: ``SlowAPIASGIMiddleware`` with the same one limit on the same Redis (``limits``'
+  synchronous Redis storage, as slowapi uses it), headers on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ("bare", "aiolimit", "aiolimit-3", "slowapi")
+HUGE = 1_000_000_000
+
+
+def build_app(variant: str, redis_url: str) -> object:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    async def hello(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("hello")
+
+    app = Starlette(routes=[Route("/", hello)])
+    if variant.startswith("aiolimit"):
+        from aiolimit import Limit, Limiter
+        from aiolimit.starlette import CLIENT_IP, RateLimitMiddleware, header_key, path_key
+
+        if variant == "aiolimit":
+            limiter = Limiter(redis_url, {"ip": [Limit(HUGE, per=60)]}, prefix="webbench")
+            keys = None
+        else:
+            two = [Limit(HUGE, per=60), Limit(HUGE, per=3600, precision=60)]
+            limiter = Limiter(redis_url, {"ip": two, "user": two, "route": two}, prefix="webbench3")
+            keys = {"ip": CLIENT_IP, "user": header_key("x-user"), "route": path_key}
+        app.add_middleware(RateLimitMiddleware, limiter=limiter, keys=keys)
+    elif variant == "slowapi":
+        from slowapi import Limiter as SlowLimiter
+        from slowapi.middleware import SlowAPIASGIMiddleware
+        from slowapi.util import get_remote_address
+
+        slow = SlowLimiter(
+            key_func=get_remote_address,
+            default_limits=[f"{HUGE}/minute"],
+            storage_uri=redis_url,
+            headers_enabled=True,
+        )
+        app.state.limiter = slow
+        app.add_middleware(SlowAPIASGIMiddleware)
+    return app
+
+
+def serve(variant: str, port: int, redis_url: str) -> None:
+    import uvicorn
+
+    uvicorn.run(
+        build_app(variant, redis_url),  # type: ignore[arg-type]
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        proxy_headers=False,
+        lifespan="off",
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def wait_ready(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            await writer.wait_closed()
+            return
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"server on port {port} did not start")
+
+
+async def load(port: int, seconds: float, concurrency: int) -> tuple[float, float, int]:
+    """(requests/s, p50 latency ms, non-200 count) over ``seconds`` after a 1 s warm-up."""
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/"
+    latencies: list[float] = []
+    bad = 0
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker(until: float, record: bool) -> None:
+            nonlocal bad
+            while (now := time.perf_counter()) < until:
+                async with session.get(url, headers={"x-user": "42"}) as response:
+                    await response.read()
+                    if response.status != 200:
+                        bad += 1
+                if record:
+                    latencies.append(time.perf_counter() - now)
+
+        warm = time.perf_counter() + 1.0
+        await asyncio.gather(*(worker(warm, False) for _ in range(concurrency)))
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(started + seconds, True) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return len(latencies) / elapsed, statistics.median(latencies) * 1000, bad
+
+
+async def run_variant(
+    variant: str, redis_url: str, seconds: float, concurrency: int
+) -> tuple[float, float, int]:
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--serve", variant, "--port", str(port), "--redis", redis_url,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        await wait_ready(port)
+        return await load(port, seconds, concurrency)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            await asyncio.wait_for(process.wait(), 10)
+        except asyncio.TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+async def bench(seconds: float, rounds: int, concurrency: int) -> None:
+    sys.path.insert(0, str(ROOT))
+    import cluster
+
+    with cluster.start_standalone() as server:
+        results: dict[str, list[tuple[float, float, int]]] = {v: [] for v in VARIANTS}
+        for _ in range(rounds):
+            for variant in VARIANTS:
+                results[variant].append(
+                    await run_variant(variant, server.url, seconds, concurrency)
+                )
+    bare = statistics.median(r[0] for r in results["bare"])
+    print(
+        f"\nuvicorn + Starlette, 1 worker; {concurrency} connections; {seconds:g} s x {rounds} "
+        f"round(s), median; redis-server {server.url}\n"
+    )
+    print(f"{'variant':<12} {'req/s':>9} {'p50 ms':>8} {'vs bare':>9} {'non-200':>8}")
+    for variant in VARIANTS:
+        rps = statistics.median(r[0] for r in results[variant])
+        p50 = statistics.median(r[1] for r in results[variant])
+        bad = sum(r[2] for r in results[variant])
+        change = "" if variant == "bare" else f"{(rps / bare - 1) * 100:+.1f}%"
+        print(f"{variant:<12} {rps:>9.0f} {p50:>8.2f} {change:>9} {bad:>8}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--redis", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.port, args.redis)
+    else:
+        asyncio.run(bench(args.seconds, args.rounds, args.concurrency))
+
+
+if __name__ == "__main__":
+    main()
