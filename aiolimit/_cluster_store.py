@@ -109,7 +109,6 @@ class ClusterStore(Store):
 
     retries_calls = True
     single_slot = False
-    single_slot = False  # set by the lead: the protocol groups identifiers by slot
 
     def __init__(
         self,
@@ -202,6 +201,8 @@ class ClusterStore(Store):
     async def run_many(
         self, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]]
     ) -> list[Reply | BaseException]:
+        if not calls:
+            return []
         if any(args and args[0] == UNDO for _, args in calls):
             with anyio.CancelScope(shield=True):
                 return await self._run_many(calls)
