@@ -1,6 +1,6 @@
 """Requests per second through a real uvicorn app: bare, behind aiolimit, behind slowapi.
 
-    .venv/bin/python bench/web_bench.py [--seconds 5] [--rounds 2] [--concurrency 32]
+    .venv/bin/python bench/web_bench.py [--seconds 4] [--rounds 2] [--concurrency 32]
 
 Each variant is the same Starlette app ("GET /" answers a short text) in its own uvicorn process
 on a free loopback port, against one local redis-server started here. This process is the load
@@ -181,7 +181,7 @@ async def bench(seconds: float, rounds: int, concurrency: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
