@@ -1,0 +1,61 @@
+"""The benchmark keeps running: every contender, a few decisions, on the test server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import redis
+
+from bench import bench
+from bench._measure import Measurement, percentile
+
+
+def test_bench_runs_every_contender_and_cleans_up(redis_url: str, tmp_path: Path) -> None:
+    """A tiny 1x1 + 2x3 run measures all four libraries and leaves no key behind."""
+    report_path = tmp_path / "report.json"
+    argv = ["--redis-url", redis_url, "--count", "16", "--concurrency", "4", "--rounds", "1"]
+    argv += ["--warmup", "0.05", "--quiet", "--memory", "--json", str(report_path)]
+    assert bench.main(argv) == 0
+
+    report = json.loads(report_path.read_text())
+    assert [(r["ids"], len(r["limits"])) for r in report["results"]] == [(1, 1), (2, 3)]
+    for result in report["results"]:
+        for name in ("aiolimit", "limits", "pyrate", "throttled"):
+            outcome = result["contenders"][name]
+            assert outcome["status"] == "ok", (name, outcome["status"])
+            assert outcome["decisions"] == 16 and outcome["errors"] == 0, (name, outcome)
+            assert outcome["admitted"] == 16, (name, outcome)
+            assert outcome["commands_per_decision"] > 0, (name, outcome)
+        # aiolimit decides every pair in one script call on a standalone server.
+        assert result["contenders"]["aiolimit"]["round_trips_per_decision"] == 1.0
+    for row in report["memory"]:
+        assert row.get("status", "ok") == "ok" and row["bytes"] > 0, row
+        assert row["admitted"] == 240 and row["next_refused"], row
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert list(client.scan_iter(match="bench-*", count=1000)) == []
+    finally:
+        client.close()
+
+
+def test_server_time_counts_script_commands_once() -> None:
+    """Commands run inside a script are in its usec already; only client-sent ones add."""
+    measurement = Measurement(
+        decisions=10,
+        client_commands={"evalsha": 10, "get": 5},
+        # 10 EVALSHA (their usec includes the 20 HGETALL they ran) and 15 GET, 5 of them sent
+        # by the client and 10 run by scripts.
+        server={"evalsha": (10, 300), "hgetall": (20, 100), "get": (15, 30), "info": (2, 50)},
+    )
+    assert measurement.server_us_per_decision == (300 + 30 * 5 / 15) / 10
+    assert measurement.server_us_per_call == 30.0
+    assert measurement.commands_per_decision == 1.5
+    assert measurement.server_commands_per_decision == 4.5
+
+
+def test_percentile_is_nearest_rank() -> None:
+    """p50 of 1..100 is 50, p99 is 99, p100 the maximum."""
+    values = list(range(1, 101))
+    assert [percentile(values, q) for q in (50, 99, 100)] == [50, 99, 100]
