@@ -24,6 +24,7 @@ Child tasks (``asyncio.gather`` in ``run_many``) inherit the variable with the c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -31,8 +32,6 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal, NoReturn
-
-import anyio
 
 from aiolimit._decision import Decision
 from aiolimit._errors import BackendError, BackendUnavailable, ConfigurationError
@@ -175,45 +174,45 @@ class CircuitBreaker:
 
 
 class _DeadlineScope:
-    """``with policy.deadline():`` a cancel scope plus the DECISION_DEADLINE variable.
+    """``async with policy.deadline():`` asyncio's timeout plus the DECISION_DEADLINE variable.
 
     Exceeding it raises ``BackendUnavailable`` (its ``__cause__`` is a ``TimeoutError``).
+    ``asyncio.timeout`` costs one timer handle; it is on every decision's path.
     """
 
-    __slots__ = ("_scope", "_seconds", "_token")
+    __slots__ = ("_seconds", "_timeout", "_token")
 
     def __init__(self, seconds: float) -> None:
         self._seconds = seconds
-        self._scope = anyio.CancelScope(deadline=anyio.current_time() + seconds)
+        self._timeout = asyncio.timeout(seconds)
         self._token: Token[float | None] | None = None
 
-    def __enter__(self) -> None:
+    async def __aenter__(self) -> None:
         self._token = DECISION_DEADLINE.set(time.monotonic() + self._seconds)
-        self._scope.__enter__()
+        await self._timeout.__aenter__()
 
-    def __exit__(
+    async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:  # fmt: skip
         try:
-            swallowed = bool(self._scope.__exit__(exc_type, exc, tb))
+            return bool(await self._timeout.__aexit__(exc_type, exc, tb))
+        except TimeoutError as timeout:
+            raise DeadlineExceeded(
+                f"no decision within the deadline of {self._seconds:g}s"
+            ) from timeout
         finally:
             if self._token is not None:
                 DECISION_DEADLINE.reset(self._token)
-        if self._scope.cancelled_caught:
-            raise DeadlineExceeded(
-                f"no decision within the deadline of {self._seconds:g}s"
-            ) from TimeoutError(f"deadline of {self._seconds:g}s exceeded")
-        return swallowed
 
 
 class _NoDeadline:
     __slots__ = ()
 
-    def __enter__(self) -> None:
+    async def __aenter__(self) -> None:
         return None
 
-    def __exit__(self, *exc_info: object) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         return None
 
 
@@ -242,7 +241,7 @@ class FailurePolicy:
         self.timeouts = 0
 
     def deadline(self) -> _DeadlineScope | _NoDeadline:
-        """A fresh ``with`` scope bounding one decision (shared no-op when unbounded)."""
+        """A fresh ``async with`` scope bounding one decision (shared no-op when unbounded)."""
         seconds = self.deadline_seconds
         return _NO_DEADLINE if seconds is None else _DeadlineScope(seconds)
 

@@ -117,7 +117,7 @@ class Limiter:
         if not failure.breaker.allow():
             return failure.short_circuit()
         try:
-            with failure.deadline():
+            async with failure.deadline():
                 now = await self.clock.now_us()
                 decision = await self._protocol.decide(mode, plans, weight, now, op, max_wait_us)
         except BackendError as exc:
@@ -235,7 +235,7 @@ class Limiter:
         plans = self._rules.plans(ids)
         check_weight(weight, [])
         self._failure.check_open()
-        with self._failure.deadline():
+        async with self._failure.deadline():
             now = await self.clock.now_us()
             return await self._protocol.decide(REFUND, plans, weight, now)
 

@@ -22,6 +22,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+import anyio
+
 from aiolimit._decision import Decision
 from aiolimit._rules import IdentifierPlan
 from aiolimit._wire import ACQUIRE, CHECK, UNDO, Call, Reply, decision, decode, encode
@@ -156,7 +158,9 @@ class Protocol:
             if reply is None or reply.allowed
         ]
         refunds = [encode(UNDO, call.plans, weight, now_us, self._slack_ms, op) for call in undo]
-        refund_results = await self._run(refunds)
+        # Shielded: a deadline or a cancellation arriving now must not leave charges behind.
+        with anyio.CancelScope(shield=True):
+            refund_results = await self._run(refunds)
         refund_error = _first_error(refund_results)
         if refund_error is not None:
             self.statistics.compensation_errors += 1
