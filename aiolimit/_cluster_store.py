@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,7 +30,7 @@ from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError
+from redis.exceptions import AskError, NoScriptError, TryAgainError
 
 from aiolimit._clock import Clock, ServerClock
 from aiolimit._errors import ConfigurationError
@@ -42,7 +42,7 @@ from aiolimit._retry import (
     is_retryable,
 )
 from aiolimit._scripts import decide_script
-from aiolimit._store import Reply, Store, translate_errors
+from aiolimit._store import Arg, Reply, Store, translate_errors
 from aiolimit._wire import UNDO
 
 #: Seconds a store call may take, retries included, when no decision deadline is set.
@@ -102,6 +102,8 @@ class ClusterStoreStatistics:
     #: Calls resent after a retryable error, and calls given up at the deadline.
     retries: int = 0
     gave_up: int = 0
+    #: Commands answered MOVED, ASK or TRYAGAIN in a pipeline, then resent through the client.
+    redirects: int = 0
 
 
 class ClusterStore(Store):
@@ -143,14 +145,12 @@ class ClusterStore(Store):
     def statistics(self) -> ClusterStoreStatistics:
         stats = self._stats
         stats.retries, stats.gave_up = self._retry.retries, self._retry.gave_up
-        return ClusterStoreStatistics(
-            stats.calls, stats.round_trips, stats.noscript, stats.retries, stats.gave_up
-        )
+        return replace(stats)
 
     def slot(self, key: str) -> int:
         return _slot(key)
 
-    def _deadline_for(self, args: Sequence[str | int]) -> float:
+    def _deadline_for(self, args: Sequence[Arg]) -> float:
         """The decision's deadline; an undo always gets a budget of its own.
 
         An undo compensates charges already made: giving up on it because the decision ran
@@ -164,13 +164,13 @@ class ClusterStore(Store):
 
     # --- one call ---------------------------------------------------------------------------
 
-    async def _send(self, command: str, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
+    async def _send(self, command: str, keys: Sequence[str], args: Sequence[Arg]) -> Reply:
         body = self._script.sha if command == "EVALSHA" else self._script.source
         self._stats.round_trips += 1
         reply: Reply = await self.client.execute_command(command, body, len(keys), *keys, *args)
         return reply
 
-    async def _eval(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
+    async def _eval(self, keys: Sequence[str], args: Sequence[Arg]) -> Reply:
         try:
             return await self._send("EVALSHA", keys, args)
         except NoScriptError:
@@ -179,27 +179,16 @@ class ClusterStore(Store):
             self._stats.noscript += 1
             return await self._send("EVAL", keys, args)
 
-    async def run(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
-        if args and args[0] == UNDO:
-            # Compensation must finish even when the decision's deadline cancels the
-            # decision: it has its own budget (see _deadline_for).
-            with anyio.CancelScope(shield=True):
-                return await self._run(keys, args)
-        return await self._run(keys, args)
-
-    async def _run(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
-        self._stats.calls += 1
-        return await call_with_retries(
-            lambda: self._eval(keys, args),
-            deadline=self._deadline_for(args),
-            address=self.address,
-            statistics=self._retry,
-        )
+    async def run(self, keys: Sequence[str], args: Sequence[Arg]) -> Reply:
+        (result,) = await self.run_many([(keys, args)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     # --- several calls ----------------------------------------------------------------------
 
     async def run_many(
-        self, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]]
+        self, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]]
     ) -> list[Reply | BaseException]:
         if not calls:
             return []
@@ -209,7 +198,7 @@ class ClusterStore(Store):
         return await self._run_many(calls)
 
     async def _run_many(
-        self, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]]
+        self, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]]
     ) -> list[Reply | BaseException]:
         self._stats.calls += len(calls)
         deadlines = [self._deadline_for(args) for _, args in calls]
@@ -221,6 +210,8 @@ class ClusterStore(Store):
             assert isinstance(first, BaseException)
             if isinstance(first, NoScriptError):
                 self._stats.noscript += 1
+            elif _redirected(first):
+                self._stats.redirects += 1
 
             async def attempt() -> Reply:
                 if isinstance(first, NoScriptError):
@@ -233,16 +224,17 @@ class ClusterStore(Store):
                     deadline=deadlines[index],
                     address=self.address,
                     statistics=self._retry,
-                    failed=first if is_retryable(first) else None,
+                    # A redirection is no failure: follow it at once through the client.
+                    failed=first if is_retryable(first) and not _redirected(first) else None,
                 )
             except Exception as exc:
                 results[index] = exc
 
-        redo = [
+        redo = {
             index
             for index, result in enumerate(results)
             if isinstance(result, BaseException) and _resendable(result)
-        ]
+        }
         if redo:
             async with anyio.create_task_group() as group:
                 for index in redo:
@@ -254,7 +246,7 @@ class ClusterStore(Store):
         return results
 
     async def _pipelined(
-        self, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]], deadline: float
+        self, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]], deadline: float
     ) -> list[Reply | BaseException]:
         """One attempt: a pipeline per node, nodes concurrently; each result or its error."""
         results: list[Reply | BaseException] = [
@@ -284,7 +276,11 @@ class ClusterStore(Store):
                     for command in commands:
                         results[command.position] = command.result
 
-                await asyncio.gather(*(send(node, cmds) for node, cmds in by_node.values()))
+                if len(by_node) == 1:
+                    ((node, commands),) = by_node.values()
+                    await send(node, commands)
+                else:
+                    await asyncio.gather(*(send(node, cmds) for node, cmds in by_node.values()))
         except Exception as exc:
             for index, result in enumerate(results):
                 if not isinstance(result, list):
@@ -313,6 +309,10 @@ class ClusterStore(Store):
 
     def describe(self) -> dict[str, Any]:
         return {"address": self.address, "deadline": self.deadline}
+
+
+def _redirected(error: BaseException) -> bool:
+    return isinstance(error, (AskError, TryAgainError))  # MovedError is an AskError
 
 
 def _resendable(error: BaseException) -> bool:
