@@ -47,6 +47,8 @@ from aiolimit._wire import UNDO
 
 #: Seconds a store call may take, retries included, when no decision deadline is set.
 DEFAULT_DEADLINE = 5.0
+#: Seconds before the decision's deadline at which the store gives up (at most a tenth of it).
+DEADLINE_MARGIN = 0.05
 
 
 @lru_cache(maxsize=65536)
@@ -156,11 +158,17 @@ class ClusterStore(Store):
         An undo compensates charges already made: giving up on it because the decision ran
         late would leave them behind, so it may finish after the decision's deadline.
         """
-        own = time.monotonic() + self.deadline
+        now = time.monotonic()
+        own = now + self.deadline
         if args and args[0] == UNDO:
             return own
         shared = current_deadline()
-        return own if shared is None else shared
+        if shared is None:
+            return own
+        # Give up a little before the limiter's own timeout fires: a commit that fails with
+        # BackendUnavailable is compensated by the protocol; one cancelled by the timeout is
+        # not.
+        return shared - min(DEADLINE_MARGIN, max(shared - now, 0.0) / 10)
 
     # --- one call ---------------------------------------------------------------------------
 
