@@ -196,7 +196,8 @@ class _DeadlineScope:
         tb: TracebackType | None,
     ) -> bool:  # fmt: skip
         try:
-            return bool(await self._timeout.__aexit__(exc_type, exc, tb))
+            await self._timeout.__aexit__(exc_type, exc, tb)
+            return False  # asyncio's timeout never swallows an exception
         except TimeoutError as timeout:
             raise DeadlineExceeded(
                 f"no decision within the deadline of {self._seconds:g}s"

@@ -77,7 +77,11 @@ class Limiter:
         if not isinstance(count_refused, bool):
             raise ConfigurationError(f"count_refused must be a bool, got {count_refused!r}")
         self._rules = Rules(limits, check_prefix(prefix))
-        self._store: Store = open_store(store, socket_timeout=socket_timeout)
+        self._store: Store = open_store(
+            store,
+            socket_timeout=socket_timeout,
+            bounded_by_deadline=self._failure.deadline_seconds is not None,
+        )
         self.clock: Clock = clock if clock is not None else self._store.default_clock()
         if not isinstance(self.clock, Clock):
             raise ConfigurationError(f"clock must implement aiolimit.Clock, got {clock!r}")

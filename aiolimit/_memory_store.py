@@ -14,7 +14,7 @@ import anyio
 from aiolimit._clock import Clock, LocalClock
 from aiolimit._errors import ConfigurationError
 from aiolimit._scripts import decide_script
-from aiolimit._store import Reply, Store
+from aiolimit._store import Arg, Reply, Store
 
 
 class MemoryStore(Store):
@@ -33,7 +33,7 @@ class MemoryStore(Store):
         self._script = decide_script()
         self._sha = self.engine.script_load(self._script.source)
 
-    async def run(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
+    async def run(self, keys: Sequence[str], args: Sequence[Arg]) -> Reply:
         reply: Reply = self.engine.evalsha(self._sha, keys, args)
         await anyio.lowlevel.checkpoint()
         return reply

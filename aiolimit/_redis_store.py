@@ -12,13 +12,13 @@ from redis.exceptions import NoScriptError
 
 from aiolimit._clock import Clock, ServerClock
 from aiolimit._scripts import decide_script
-from aiolimit._store import Reply, Store, translate_errors
+from aiolimit._store import Arg, Reply, Store, translate_errors
 
 #: Connections one limiter opens to its server at most (see client_from_url).
 MAX_CONNECTIONS = 100
 
 
-def client_from_url(url: str, socket_timeout: float) -> Redis:
+def client_from_url(url: str, socket_timeout: float, *, io_timeout: float | None = -1.0) -> Redis:
     """A client with aiolimit's settings: bounded timeouts, and no silent retries.
 
     redis-py retries a command whose connection dropped by default; for a script that charges
@@ -28,12 +28,16 @@ def client_from_url(url: str, socket_timeout: float) -> Redis:
     redis-py's default pool raises ``MaxConnectionsError`` once 100 commands are in flight; a
     blocking pool makes the 101st concurrent decision wait for a free connection instead
     (at most ``socket_timeout``, and never past the decision's deadline).
+
+    ``io_timeout`` bounds each read and write (default: ``socket_timeout``). The limiter
+    passes None when it has a per-decision deadline: that deadline already bounds the call,
+    and redis-py's write timeout costs a task per command (``asyncio.wait_for``).
     """
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=MAX_CONNECTIONS,
         timeout=socket_timeout,
-        socket_timeout=socket_timeout,
+        socket_timeout=socket_timeout if io_timeout == -1.0 else io_timeout,
         socket_connect_timeout=socket_timeout,
         retry=Retry(NoBackoff(), 0),
         health_check_interval=0,
@@ -51,7 +55,7 @@ class RedisStore(Store):
         kwargs: dict[str, Any] = client.connection_pool.connection_kwargs
         self.address = address or f"redis://{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
 
-    async def run(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
+    async def run(self, keys: Sequence[str], args: Sequence[Arg]) -> Reply:
         with translate_errors(self.address):
             try:
                 reply: Reply = await self.client.execute_command(  # type: ignore[no-untyped-call]

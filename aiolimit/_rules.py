@@ -30,7 +30,7 @@ class IdentifierPlan:
     limits: tuple[AnyLimit, ...]
     keys: tuple[str, ...]
     # This identifier's block of the script's ARGV (see lua/decide.lua), built once.
-    block: tuple[str | int, ...]
+    block: bytes
     max_weight: int
     has_leases: bool  # a Concurrency limit applies: acquiring takes a lease to release
     queueable: bool  # every limit is GCRA, so acquire may reserve a turn instead of retrying
@@ -112,7 +112,7 @@ class Rules:
             identifier,
             limits,
             tuple(keys),
-            (len(keys), len(limits), *pairs),
+            ",".join(map(str, (len(keys), len(limits), *pairs))).encode("ascii"),
             max_weight,
             has_leases="lease" in codes,
             queueable=codes == {"gcra"},

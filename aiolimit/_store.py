@@ -19,6 +19,8 @@ from aiolimit._clock import Clock
 from aiolimit._errors import BackendError, BackendUnavailable, ConfigurationError
 
 Reply = list[int]
+#: One script argument (blocks are pre-encoded bytes).
+Arg = str | int | bytes
 
 
 @contextmanager
@@ -33,7 +35,6 @@ def translate_errors(address: str) -> Iterator[None]:
         redis_errors.TryAgainError,
         ConnectionError,
         TimeoutError,
-        asyncio.TimeoutError,
         OSError,
     ) as exc:
         raise BackendUnavailable(f"store at {address} unavailable: {exc!r}") from exc
@@ -67,11 +68,11 @@ class Store(ABC):
     single_slot: bool = True
 
     @abstractmethod
-    async def run(self, keys: Sequence[str], args: Sequence[str | int]) -> Reply:
+    async def run(self, keys: Sequence[str], args: Sequence[Arg]) -> Reply:
         """Runs the decision script once, atomically, over ``keys`` (all in one slot)."""
 
     async def run_many(
-        self, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]]
+        self, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]]
     ) -> list[Reply | BaseException]:
         """Runs several calls concurrently; each result is a reply or the error it raised."""
         results = await asyncio.gather(*(self.run(k, a) for k, a in calls), return_exceptions=True)

@@ -16,7 +16,9 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SCHEMES = (*REDIS_SCHEMES, *CLUSTER_SCHEMES, "memory")
 
 
-def open_store(store: str | Any, *, socket_timeout: float) -> Store:
+def open_store(
+    store: str | Any, *, socket_timeout: float, bounded_by_deadline: bool = False
+) -> Store:
     if isinstance(store, Store):
         return store
     if isinstance(store, Redis):
@@ -43,7 +45,8 @@ def open_store(store: str | Any, *, socket_timeout: float) -> Store:
         from aiolimit._redis_store import RedisStore, client_from_url
 
         try:
-            client = client_from_url(store, socket_timeout)
+            io_timeout = None if bounded_by_deadline else socket_timeout
+            client = client_from_url(store, socket_timeout, io_timeout=io_timeout)
         except ValueError as exc:
             raise ConfigurationError(f"invalid Redis URL {store!r}: {exc}") from exc
         return RedisStore(client, owns_client=True, address=_redact(store))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from aiolimit._decision import Decision, PairDecision
 from aiolimit._rules import IdentifierPlan
+from aiolimit._store import Arg
 
 ACQUIRE = "acquire"
 CHECK = "check"
@@ -28,7 +29,7 @@ class Call:
     """One script call: its keys and arguments, and the plans they came from."""
 
     keys: list[str]
-    args: list[str | int]
+    args: list[Arg]
     plans: Sequence[IdentifierPlan]
 
 
@@ -55,18 +56,18 @@ def encode(
     flags = "p" if penalty else ""
     if max_wait_us > 0:
         flags += f"r{max_wait_us}"
-    args: list[str | int] = [
+    args: list[Arg] = [
         mode, "" if now_us is None else now_us, weight, slack_ms, op, flags, len(plans)
     ]  # fmt: skip
     if len(plans) == 1:
         plan = plans[0]
         keys = list(plan.keys)
-        args += plan.block
+        args.append(plan.block)
     else:
         keys = []
         for plan in plans:
             keys += plan.keys
-            args += plan.block
+            args.append(plan.block)
     if op:
         keys.append(plans[0].keys[0] + ":op:" + op)  # same hash tag: same slot
     return Call(keys, args, plans)
@@ -94,22 +95,20 @@ def decode(call: Call, raw: Sequence[int]) -> Reply:
     return Reply(raw[0] == 1, raw[1] == 1, raw[2], tuple(pairs))
 
 
-def parse_args(keys: Sequence[str], args: Sequence[str | int]) -> list[tuple[str, ...]]:
+def parse_args(keys: Sequence[str], args: Sequence[object]) -> list[tuple[str, ...]]:
     """The pairs a call's KEYS/ARGV describe: (main key, aux key or "", algorithm, amount,
     period, param), for tests and tools that stand in for the script."""
     out: list[tuple[str, ...]] = []
-    at, key_base = 7, 0
-    for _ in range(int(args[6])):
-        nkeys, count = int(args[at]), int(args[at + 1])
-        at += 2
-        for _ in range(count):
-            aux, algorithm, amount, period, param = args[at : at + PAIR_FIELDS]
+    key_base = 0
+    for block in args[7 : 7 + int(str(args[6]))]:
+        values = (block.decode("ascii") if isinstance(block, bytes) else str(block)).split(",")
+        at = 2
+        for _ in range(int(values[1])):
+            aux, algorithm, amount, period, param = values[at : at + PAIR_FIELDS]
             aux_key = keys[key_base + int(aux) - 1] if int(aux) else ""
-            out.append(
-                (keys[key_base], aux_key, str(algorithm), str(amount), str(period), str(param))
-            )
+            out.append((keys[key_base], aux_key, algorithm, amount, period, param))
             at += PAIR_FIELDS
-        key_base += nkeys
+        key_base += int(values[0])
     return out
 
 

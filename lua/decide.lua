@@ -22,13 +22,15 @@
 -- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway);
 --           "r<µs>" reserves: pairs that can queue (GCRA) admit a request that fits within
 --           that many µs, charging now; its delay is the pair's retry_after while allowed
--- ARGV[7]   B, the number of identifier blocks; from ARGV[8] on, each block is
+-- ARGV[7]   B, the number of identifier blocks; ARGV[8 .. 7+B] are the blocks, one string
+--           each of comma-separated values:
 --             K  its number of keys, taken from KEYS in order (the first is the main key)
 --             P  its number of pairs, then per pair 5 values:
 --                aux key (0 = none, else 2..K: its position among the block's keys),
 --                algorithm code ("sw", ...), amount (integer), period (integer µs),
 --                param (integer; meaning per algorithm, see its header)
---           Blocks carry no absolute key index, so the client caches each identifier's block.
+--           A block names no absolute key index, so the client builds each identifier's
+--           block once; one argument per identifier keeps the request small.
 -- Reply: {allowed 1|0, replay 1|0, now µs,
 --         then per pair i: allowed 1|0, remaining, retry_after µs, reset_after µs}
 --         replay is 1 when the op id had already been applied (or refunded: allowed is 0 then).
@@ -49,33 +51,33 @@ local max_wait = tonumber(string.match(ARGV[6], 'r(%d+)')) or 0
 
 local pairs_ = {}
 local npairs = 0
-local at = 8
 local key_base = 0
-for _ = 1, tonumber(ARGV[7]) do
-  local nkeys, count = tonumber(ARGV[at]), tonumber(ARGV[at + 1])
-  at = at + 2
-  for _ = 1, count do
-    local aux = tonumber(ARGV[at])
+for b = 1, tonumber(ARGV[7]) do
+  local v = {}
+  for value in string.gmatch(ARGV[7 + b], '[^,]+') do v[#v + 1] = value end
+  local at = 3
+  for _ = 1, tonumber(v[2]) do
+    local aux = tonumber(v[at])
     local pair = {
       main = KEYS[key_base + 1],
       aux = aux > 0 and KEYS[key_base + aux] or nil,
-      code = ARGV[at + 1],
-      letter = string.sub(ARGV[at + 1], 1, 1),
-      algo = ALGORITHMS[ARGV[at + 1]],
-      amount = tonumber(ARGV[at + 2]),
-      period_s = ARGV[at + 3],
-      period = tonumber(ARGV[at + 3]),
-      param_s = ARGV[at + 4],
-      param = tonumber(ARGV[at + 4]),
+      code = v[at + 1],
+      letter = string.sub(v[at + 1], 1, 1),
+      algo = ALGORITHMS[v[at + 1]],
+      amount = tonumber(v[at + 2]),
+      period_s = v[at + 3],
+      period = tonumber(v[at + 3]),
+      param_s = v[at + 4],
+      param = tonumber(v[at + 4]),
     }
     if not pair.algo then
-      return redis.error_reply('ERR aiolimit: unknown algorithm ' .. ARGV[at + 1])
+      return redis.error_reply('ERR aiolimit: unknown algorithm ' .. tostring(v[at + 1]))
     end
     npairs = npairs + 1
     pairs_[npairs] = pair
     at = at + 5
   end
-  key_base = key_base + nkeys
+  key_base = key_base + tonumber(v[1])
 end
 
 -- Each identifier judges by max(now, its last write): its time never runs backwards.
@@ -138,6 +140,18 @@ local function decide_all(w)
     reply[base + 3] = reset
   end
   reply[1] = all and 1 or 0
+  if not all and w > 0 then
+    -- Refused: nothing is charged, so the pairs that would allow report their state as it
+    -- is (an allowing check reports the state after its charge).
+    for i, pair in ipairs(pairs_) do
+      local base = 4 + 4 * (i - 1)
+      if reply[base] == 1 then
+        local _, remaining, _, reset = pair.algo.check(pair.s, pair, now_for(pair.s), 0, 0)
+        reply[base + 1] = remaining
+        reply[base + 3] = reset
+      end
+    end
+  end
   return reply, all
 end
 

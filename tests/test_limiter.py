@@ -85,13 +85,6 @@ async def test_refusal_by_one_identifier_charges_no_other(backend: Backend) -> N
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="in a refused decision, pairs that would allow report their state as if charged "
-    "(remaining - weight; reset_after as if the current bucket held the weight, via "
-    "sliding_window check), and Decision.from_pairs merges them: reset_after 3579.75 for an "
-    "untouched hourly limit, remaining 0 where 1 is left",
-)
 async def test_a_refused_decision_describes_the_unchanged_state(backend: Backend) -> None:
     """A refusal charged nothing, so remaining and reset_after describe the state as it is."""
     rules = {"ip": [Limit(100, per=3600, precision=60)], "user": [Limit(2, per=1)]}
