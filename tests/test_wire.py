@@ -36,12 +36,11 @@ def test_encode_lays_out_keys_and_argv_as_the_header_says() -> None:
         3_600_000,  # ARGV[4] TTL slack, ms
         "abc",  # ARGV[5] op id
         "pr500",  # ARGV[6] flags: penalty, reserve up to 500 µs
-        2,  # ARGV[7] B blocks
-        2, 2,  # block 1: K keys, P pairs
-        0, "sw", 10, 1_000_000, 1_000_000,  # aux 0 = none, code, amount, period µs, precision µs
-        2, "log", 5, 60_000_000, 0,  # aux 2 = the block's second key
-        1, 1,  # block 2: K, P
-        0, "sw", 240, 3_600_000_000, 60_000_000,
+        2,  # ARGV[7] B blocks, then one comma-separated string per block:
+        # K keys, P pairs, then per pair: aux (0 = none, 2 = the block's second key),
+        # code, amount, period µs, param (the sliding window's precision µs)
+        b"2,2,0,sw,10,1000000,1000000,2,log,5,60000000,0",
+        b"1,1,0,sw,240,3600000000,60000000",
     ]  # fmt: skip
     assert call.plans == _plans()
 
@@ -50,22 +49,7 @@ def test_encode_without_op_clock_or_flags() -> None:
     """No op id: no op key and ""; server time: now is ""; no flags: ""."""
     call = encode(CHECK, _plans()[1:], 1, None, 0)
     assert call.keys == ["p:{user:2}"]
-    assert call.args == [
-        "check",
-        "",
-        1,
-        0,
-        "",
-        "",
-        1,
-        1,
-        1,
-        0,
-        "sw",
-        240,
-        3_600_000_000,
-        60_000_000,
-    ]
+    assert call.args == ["check", "", 1, 0, "", "", 1, b"1,1,0,sw,240,3600000000,60000000"]
 
 
 def test_parse_args_reads_back_every_pair() -> None:
@@ -124,8 +108,8 @@ async def test_the_script_accepts_the_layout_written_from_its_header() -> None:
         sha = engine.script_load(decide_script().source)
         keys = ["p:{ip:1}", "p:{ip:1}:log:60000000", "p:{user:2}"]
         args = ["acquire", NOW_US, 2, 0, "", "", 2,
-                2, 2, 0, "sw", 10, 1_000_000, 1_000_000, 2, "log", 5, 60_000_000, 0,
-                1, 1, 0, "sw", 240, 3_600_000_000, 60_000_000]  # fmt: skip
+                b"2,2,0,sw,10,1000000,1000000,2,log,5,60000000,0",
+                b"1,1,0,sw,240,3600000000,60000000"]  # fmt: skip
         raw = engine.evalsha(sha, keys, args)
         assert raw == [
             1,
