@@ -135,6 +135,7 @@ class ClusterStore(Store):
             address = f"redis+cluster://{seed.host}:{seed.port}" if seed else "redis+cluster://?"
         self.address = address
         self._retry = RetryStatistics()
+        self._compensating: set[asyncio.Future[list[Reply | BaseException]]] = set()
         self._stats = ClusterStoreStatistics()
 
     @classmethod
@@ -160,7 +161,7 @@ class ClusterStore(Store):
         """
         now = time.monotonic()
         own = now + self.deadline
-        if args and args[0] == UNDO:
+        if _is_undo(args):
             return own
         shared = current_deadline()
         if shared is None:
@@ -200,9 +201,15 @@ class ClusterStore(Store):
     ) -> list[Reply | BaseException]:
         if not calls:
             return []
-        if any(args and args[0] == UNDO for _, args in calls):
-            with anyio.CancelScope(shield=True):
-                return await self._run_many(calls)
+        if any(_is_undo(args) for _, args in calls):
+            # Compensation must finish even if the decision is cancelled (its deadline) while
+            # it runs: it runs as a task of its own, with a budget of its own (_deadline_for),
+            # which a cancellation of the caller does not reach. (An anyio shield would not
+            # stop asyncio.timeout, which cancels the task natively.)
+            task = asyncio.ensure_future(self._run_many(calls))
+            self._compensating.add(task)
+            task.add_done_callback(self._compensating.discard)
+            return await asyncio.shield(task)
         return await self._run_many(calls)
 
     async def _run_many(
@@ -312,11 +319,18 @@ class ClusterStore(Store):
         return ServerClock()
 
     async def aclose(self) -> None:
+        if self._compensating:
+            # Let compensation started by cancelled decisions finish (each has its budget).
+            await asyncio.wait(list(self._compensating), timeout=self.deadline)
         if self._owns:
             await close_client(self.client)
 
     def describe(self) -> dict[str, Any]:
         return {"address": self.address, "deadline": self.deadline}
+
+
+def _is_undo(args: Sequence[object]) -> bool:
+    return bool(args) and args[0] in (UNDO, UNDO.encode())
 
 
 def _redirected(error: BaseException) -> bool:

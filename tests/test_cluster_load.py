@@ -32,7 +32,7 @@ from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.crc import key_slot
 
 import cluster
-from aiolimit import BackendError, Limit, Limiter
+from aiolimit import BackendError, BackendUnavailable, Limit, Limiter
 from aiolimit._cluster_store import ClusterStore
 from aiolimit._keys import main_key
 
@@ -415,3 +415,43 @@ def test_hot_identifiers_span_every_primary(local_cluster: cluster.Cluster, pref
     assert len(set(slots)) == len(hot) == 6
     ports = {local_cluster.node_for_slot(slot).port for slot in slots}
     assert len(ports) == len(local_cluster.primaries())
+
+
+class PausingStore(ClusterStore):
+    """The real cluster store; just before the first commit phase, a primary is SIGSTOPped
+    (a fault timed between the phases, which load alone would hit only by chance)."""
+
+    victim: cluster.Node
+
+    async def run_many(self, calls: Any) -> list[Any]:
+        if calls and calls[0][1][0] == "acquire" and not self.victim.paused:
+            self.victim.pause()
+        return await super().run_many(calls)
+
+
+async def test_commit_stuck_past_the_deadline_is_compensated(
+    fresh_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """A primary stops between check and commit: the decision fails within its deadline with
+    BackendUnavailable, and once the primary answers again every slot is as if the request
+    never happened (the undo outlives the decision)."""
+    nodes = fresh_cluster
+    hot = hot_identifiers(nodes, prefix, {"user": 2, "ip": 1})
+    victim = nodes.node_for_slot(key_slot(main_key(prefix, hot[1]).encode()))
+    store = PausingStore.from_url(nodes.url)
+    store.victim = victim
+    deadline = 0.5
+    try:
+        async with Limiter(store, ROOMY, prefix=prefix, deadline=deadline) as limiter:
+            started = time.monotonic()
+            with pytest.raises(BackendUnavailable):
+                await limiter.try_acquire(hot, 2)
+            assert time.monotonic() - started < deadline + 0.3
+            assert limiter.statistics().compensations == 1
+            victim.resume()
+            # aclose waits for the compensation still running for the cancelled decision.
+    finally:
+        if victim.paused:
+            victim.resume()
+    charges = stored(nodes.seed_url, prefix, hot, {"user": ROOMY, "ip": ROOMY})
+    assert set(charges.values()) == {0}
