@@ -206,9 +206,9 @@ async def test_no_cluster_listening_is_unavailable_within_the_deadline(prefix: s
     url = f"redis+cluster://127.0.0.1:{free_port()}"
     async with Limiter(url, LIMITS, prefix=prefix, deadline=0.6) as limiter:
         started = time.monotonic()
-        with pytest.raises(BackendUnavailable):
+        with pytest.raises(BackendUnavailable, match="attempts"):  # retried, then gave up
             await limiter.try_acquire(["user:1", "user:2"])
-        assert 0.3 < time.monotonic() - started < 1.2
+        assert time.monotonic() - started < 0.6 + 0.3
 
 
 @pytest.mark.parametrize(
