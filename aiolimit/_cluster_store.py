@@ -72,7 +72,10 @@ def client_from_url(url: str, socket_timeout: float) -> RedisCluster:
             seed,
             reinitialize_steps=0,
             retry=Retry(NoBackoff(), 0),
-            socket_timeout=socket_timeout,
+            # Every attempt runs under the decision's deadline (asyncio.timeout), so reads and
+            # writes need no timeout of their own, which redis-py implements with a task per
+            # command (asyncio.wait_for).
+            socket_timeout=None,
             socket_connect_timeout=socket_timeout,
             health_check_interval=0,
         )
@@ -269,7 +272,7 @@ class ClusterStore(Store):
         ]
         client = self.client
         try:
-            with anyio.fail_after(max(deadline - time.monotonic(), 0.0)):
+            async with asyncio.timeout_at(_loop_time(deadline)):
                 await client.initialize()
                 by_node: dict[str, tuple[ClusterNode, list[PipelineCommand]]] = {}
                 sha = self._script.sha
@@ -295,7 +298,16 @@ class ClusterStore(Store):
                     ((node, commands),) = by_node.values()
                     await send(node, commands)
                 else:
-                    await asyncio.gather(*(send(node, cmds) for node, cmds in by_node.values()))
+                    (first, *others) = by_node.values()
+                    tasks = [asyncio.create_task(send(*item)) for item in others]
+                    try:
+                        await send(*first)
+                        await asyncio.gather(*tasks)
+                    except BaseException:  # cancelled (the deadline): stop the other nodes too
+                        for task in tasks:
+                            task.cancel()
+                        await asyncio.gather(*tasks, return_exceptions=True)
+                        raise
         except Exception as exc:
             for index, result in enumerate(results):
                 if not isinstance(result, list):
@@ -327,6 +339,11 @@ class ClusterStore(Store):
 
     def describe(self) -> dict[str, Any]:
         return {"address": self.address, "deadline": self.deadline}
+
+
+def _loop_time(deadline: float) -> float:
+    """A ``time.monotonic()`` deadline on the running loop's clock (asyncio.timeout_at)."""
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
 
 def _is_undo(args: Sequence[object]) -> bool:

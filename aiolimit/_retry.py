@@ -130,7 +130,7 @@ async def call_with_retries(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("the deadline passed before the call was sent")
-            with anyio.fail_after(remaining):
+            async with asyncio.timeout(remaining):
                 return await attempt()
         except Exception as exc:
             if not is_retryable(exc):
