@@ -8,11 +8,17 @@ retries instead (``_retry.py``), with backoff, within the decision's deadline. T
 because ``retries_calls`` is true: the protocol gives every charging call an operation id and
 the script applies an op once, so a call resent after a lost reply never charges twice.
 
-``run_many`` groups calls by the node that owns their slot, sends one pipeline per node and all
-nodes concurrently. A command that comes back NOSCRIPT (after SCRIPT FLUSH, a restart or a
-failover: a promoted replica has no scripts) is sent again as EVAL, which also caches the
-script on that node; redirections (MOVED, ASK, TRYAGAIN) are resent through the cluster client,
-which follows them.
+``run_many`` (and ``run``, a batch of one) groups calls by the node that owns their slot in the
+client's slot cache and sends one pipeline per node, all nodes concurrently. A command that
+comes back NOSCRIPT (after SCRIPT FLUSH, a restart or a failover: a promoted replica has no
+scripts) is sent again as EVAL, which also caches the script on that node; redirections
+(MOVED, ASK, TRYAGAIN) are resent at once through the cluster client, which follows them and
+updates its slot cache; other retryable errors are resent after a backoff.
+
+Every attempt runs under the decision's deadline (less a small margin, so that a commit that
+cannot finish fails with ``BackendUnavailable`` and is compensated, rather than being cancelled
+by the limiter's timeout). Compensation (``undo``) runs as a task of its own with a budget of
+its own, so a decision cancelled at its deadline still leaves no charges behind.
 """
 
 from __future__ import annotations

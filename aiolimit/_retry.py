@@ -34,6 +34,8 @@ T = TypeVar("T")
 
 FIRST_BACKOFF = 0.05
 MAX_BACKOFF = 0.5
+#: Seconds an attempt needs at least; with less left before the deadline, give up.
+LAST_ATTEMPT = 0.02
 
 _RETRYABLE: tuple[type[BaseException], ...] = (
     redis_errors.ConnectionError,  # also covers redis-py's MaxConnectionsError
@@ -115,8 +117,9 @@ async def call_with_retries(
     error = failed
     while True:
         if error is not None:
-            pause = backoff(failures - 1)
-            if time.monotonic() + pause >= deadline:
+            # The last pause is cut short so that one more attempt still fits the deadline.
+            pause = min(backoff(failures - 1), deadline - time.monotonic() - LAST_ATTEMPT)
+            if pause < 0:
                 if statistics is not None:
                     statistics.gave_up += 1
                 raise BackendUnavailable(
