@@ -180,10 +180,11 @@ class _DeadlineScope:
     ``asyncio.timeout`` costs one timer handle; it is on every decision's path.
     """
 
-    __slots__ = ("_seconds", "_timeout", "_token")
+    __slots__ = ("_address", "_seconds", "_timeout", "_token")
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, address: str) -> None:
         self._seconds = seconds
+        self._address = address
         self._timeout = asyncio.timeout(seconds)
         self._token: Token[float | None] | None = None
 
@@ -200,7 +201,8 @@ class _DeadlineScope:
             return False  # asyncio's timeout never swallows an exception
         except TimeoutError as timeout:
             raise DeadlineExceeded(
-                f"no decision within the deadline of {self._seconds:g}s"
+                f"store at {self._address} gave no decision within the deadline of "
+                f"{self._seconds:g}s"
             ) from timeout
         finally:
             if self._token is not None:
@@ -240,11 +242,13 @@ class FailurePolicy:
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.degraded = 0
         self.timeouts = 0
+        #: The store's address, for messages (set by the limiter once its store is open).
+        self.address = "the store"
 
     def deadline(self) -> _DeadlineScope | _NoDeadline:
         """A fresh ``async with`` scope bounding one decision (shared no-op when unbounded)."""
         seconds = self.deadline_seconds
-        return _NO_DEADLINE if seconds is None else _DeadlineScope(seconds)
+        return _NO_DEADLINE if seconds is None else _DeadlineScope(seconds, self.address)
 
     def short_circuit(self) -> Decision:
         """The answer while the breaker is open: the policy's, or ``BackendUnavailable``."""

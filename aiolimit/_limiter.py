@@ -82,6 +82,7 @@ class Limiter:
             socket_timeout=socket_timeout,
             bounded_by_deadline=self._failure.deadline_seconds is not None,
         )
+        self._failure.address = self._store.address
         self.clock: Clock = clock if clock is not None else self._store.default_clock()
         if not isinstance(self.clock, Clock):
             raise ConfigurationError(f"clock must implement aiolimit.Clock, got {clock!r}")

@@ -33,3 +33,31 @@ def test_first_two_commands_are_demo_and_test() -> None:
     commands = [line.split("#")[0].strip() for line in first.group(1).splitlines()]
     assert commands[:2] == ["bash dev.sh demo", "bash dev.sh test"]
     assert "bash dev.sh test" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+def web_example() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    assert len(blocks) >= 2, "README has no web example"
+    return blocks[1]
+
+
+async def test_web_example_serves_limited_requests(redis_url: str) -> None:
+    """The README's FastAPI app answers through the middleware with RateLimit headers."""
+    import httpx
+
+    namespace: dict[str, object] = {}
+    code = web_example().replace("redis://127.0.0.1:6379/0", redis_url)
+    exec(compile(code, "README.md", "exec"), namespace)
+    limiter = namespace["limiter"]
+    transport = httpx.ASGITransport(app=namespace["api"])  # type: ignore[arg-type]
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            response = await client.get("/report", headers={"x-user": "readme"})
+        assert response.status_code == 200
+        assert response.json() == {"report": "ready"}
+        assert "ratelimit-policy" in response.headers
+        assert "ratelimit" in response.headers
+        routes = namespace["app"].router.routes()  # type: ignore[attr-defined]
+        assert {route.resource.canonical for route in routes} == {"/search"}
+    finally:
+        await limiter.aclose()  # type: ignore[attr-defined]
