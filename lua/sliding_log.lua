@@ -23,15 +23,19 @@ end
 ALGORITHMS.log = {
   check = function(s, pair, now, weight)
     local count = redis.call('ZCOUNT', pair.aux, log_window(pair, now), '+inf')
-    if count + weight <= pair.amount then
-      return true, pair.amount - count - weight, 0, pair.period
-    end
-    local retry = log_kth(pair, now, count + weight - pair.amount) + pair.period - now
+    -- Until the newest entry leaves; after a charge that is a whole period, and with weight 0
+    -- (the state after a refund) an empty log is full already.
     local reset = 0
-    if count > 0 then
+    if count + weight <= pair.amount and weight > 0 then
+      reset = pair.period
+    elseif count > 0 then
       local newest = redis.call('ZRANGE', pair.aux, -1, -1, 'WITHSCORES')
       reset = tonumber(newest[2]) + pair.period - now
     end
+    if count + weight <= pair.amount then
+      return true, pair.amount - count - weight, 0, reset
+    end
+    local retry = log_kth(pair, now, count + weight - pair.amount) + pair.period - now
     local remaining = pair.amount - count
     if remaining < 0 then remaining = 0 end
     return false, remaining, retry, reset
