@@ -25,6 +25,8 @@ Keys: each adapter gets a prefix; every key it writes starts with it, so ``<pref
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,8 +61,9 @@ ADMIT_LADDER = (
     Window(10**8, 3600),
     Window(10**9, 86400),
 )
-#: The foundation issue's example limits: after a short warm-up nearly everything is refused.
-SATURATED_LADDER = (Window(10, 1), Window(120, 60), Window(240, 3600), Window(1000, 86400))
+#: Limits so small that after the warm-up nearly every decision is refused (each identifier
+#: sees a few dozen decisions per second), which measures the refusal path.
+SATURATED_LADDER = (Window(1, 1), Window(2, 60), Window(3, 3600), Window(4, 86400))
 
 
 def windows(count: int, *, saturated: bool) -> tuple[Window, ...]:
@@ -322,10 +325,18 @@ class PyrateContender(Contender):
 
     async def aclose(self) -> None:
         if self._factory is not None:
-            # dispose() deregisters each bucket; the last one cancels the async leak task.
+            # dispose() deregisters each bucket and the last one cancels the async leak task,
+            # but does not wait for it: a sweep still in flight would then fail on the closed
+            # client ("Task exception was never retrieved"). Wait for it here.
+            leaker = getattr(self._factory, "_leaker", None)
+            task = getattr(leaker, "aio_leak_task", None)
             for bucket in self._buckets.values():
                 self._factory.dispose(bucket)
             self._limiter.close()
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if self._client is not None:
             await self._client.aclose()
 

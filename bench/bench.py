@@ -76,6 +76,7 @@ class Config:
     id_pool: int = 4
     sliding_buckets: int = 10
     memory: bool = False
+    memory_only: bool = False
     profile: bool = False
     json_path: str | None = None
     quiet: bool = False
@@ -435,7 +436,7 @@ async def run(config: Config) -> dict[str, Any]:
                 report["profile"] = profile
                 print(profile_text(profile), flush=True)
                 return report
-            for algorithm in config.algorithms:
+            for algorithm in [] if config.memory_only else config.algorithms:
                 for ids, nlimits in config.shapes:
                     limits = windows(nlimits, saturated=config.saturated)
                     outcomes = await run_shape(
@@ -519,7 +520,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         help=f"comma-separated, from {', '.join(CONTENDERS + EXTRA_CONTENDERS)}",
     )  # fmt: skip
     parser.add_argument(
-        "--saturated", action="store_true", help="small limits (10/s, 120/min, ...): most refused"
+        "--saturated", action="store_true", help="tiny limits (1/s, 2/min, ...): most refused"
     )
     parser.add_argument("--duration", type=float, help="seconds per measured phase (default 1.5)")
     parser.add_argument("--count", type=int, help="decisions per measured phase instead")
@@ -531,6 +532,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         help="aiolimit sliding counter buckets per window: precision = per / N (default 10)",
     )  # fmt: skip
     parser.add_argument("--memory", action="store_true", help="also MEMORY USAGE per identifier")
+    parser.add_argument("--memory-only", action="store_true", help="only MEMORY USAGE, no load")
     parser.add_argument("--profile", action="store_true", help="profile aiolimit alone instead")
     parser.add_argument("--json", dest="json_path", help="also write the report here (- = stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -569,7 +571,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         rounds=args.rounds,
         id_pool=args.id_pool,
         sliding_buckets=args.sliding_buckets,
-        memory=args.memory,
+        memory=args.memory or args.memory_only,
+        memory_only=args.memory_only,
         profile=args.profile,
         json_path=args.json_path,
         quiet=args.quiet,
