@@ -179,7 +179,8 @@ async def run(config: Config) -> dict[str, Any]:
                     f"\n== cluster, {scenario}: 2 ids x 3 limits "
                     f"[{', '.join(map(str, windows(3, saturated=False)))}]; redis {version}, "
                     f"3 primaries, concurrency {config.concurrency}, {config.rounds} rounds x "
-                    f"{config.duration} s (+{config.warmup} s warm-up each)",
+                    + (f"{config.duration} s" if config.count is None else f"{config.count}")
+                    + f" (+{config.warmup} s warm-up each)",
                     flush=True,
                 )
                 print(table(outcomes), flush=True)
@@ -206,6 +207,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     parser.add_argument("--redis-url", help="a cluster seed (redis:// or redis+cluster://)")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--duration", type=float, default=1.5, help="seconds per phase")
+    parser.add_argument("--count", type=int, help="decisions per phase instead of a duration")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=float, default=0.3)
     parser.add_argument("--id-pool", type=int, default=4, help="id pairs per task, used in turn")
@@ -219,7 +221,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         mode="cluster",
         redis_url=url,
         concurrency=args.concurrency,
-        duration=args.duration,
+        duration=None if args.count else args.duration,
+        count=args.count,
         rounds=args.rounds,
         warmup=args.warmup,
         id_pool=args.id_pool,
