@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from aiolimit._clock import Clock, ServerClock
 from aiolimit._scripts import decide_script
@@ -46,7 +47,16 @@ def client_from_url(url: str, socket_timeout: float, *, io_timeout: float | None
 
 
 class RedisStore(Store):
-    """Runs the decision script on one Redis server with EVALSHA, loading it on NOSCRIPT."""
+    """Runs the decision script on one Redis server with EVALSHA, loading it on NOSCRIPT.
+
+    Concurrent decisions are pipelined: calls made in the same event-loop tick leave in one
+    pipeline (no MULTI; each script stays atomic on its own). One write and one read for many
+    decisions cut the client's work per decision by more than half under load, and a lone
+    call still leaves at once, at the next tick.
+    """
+
+    #: Calls per pipeline at most; a larger tick is split into several pipelines in flight.
+    MAX_BATCH = 128
 
     def __init__(self, client: Redis, *, owns_client: bool, address: str | None = None) -> None:
         self.client = client
@@ -54,21 +64,69 @@ class RedisStore(Store):
         self._script = decide_script()
         kwargs: dict[str, Any] = client.connection_pool.connection_kwargs
         self.address = address or f"redis://{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+        self._queue: list[tuple[Sequence[str], Sequence[Arg], asyncio.Future[Reply]]] = []
+        self._flushing: set[asyncio.Task[None]] = set()
 
     async def run(self, keys: Sequence[str], args: Sequence[Arg]) -> Reply:
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        if not self._queue:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._queue.append((keys, args, future))
         with translate_errors(self.address):
-            try:
-                reply: Reply = await self.client.execute_command(  # type: ignore[no-untyped-call]
-                    "EVALSHA", self._script.sha, len(keys), *keys, *args
-                )
-            except NoScriptError:
-                # After SCRIPT FLUSH, a restart or a failover: load and run once more. The
-                # failed EVALSHA ran nothing, so this cannot charge twice.
+            return await future
+
+    def _flush(self) -> None:
+        queue, self._queue = self._queue, []
+        for start in range(0, len(queue), self.MAX_BATCH):
+            task = asyncio.ensure_future(self._send(queue[start : start + self.MAX_BATCH]))
+            self._flushing.add(task)
+            task.add_done_callback(self._flushing.discard)
+
+    async def _send(
+        self, batch: list[tuple[Sequence[str], Sequence[Arg], asyncio.Future[Reply]]]
+    ) -> None:
+        try:
+            results = await self._pipeline(batch)
+            missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+            if missing:
+                # After SCRIPT FLUSH, a restart or a failover: load it and run those calls
+                # again. A call refused with NOSCRIPT ran nothing, so none is charged twice.
                 await self.client.script_load(self._script.source)
+                again = await self._pipeline([batch[i] for i in missing])
+                for i, result in zip(missing, again, strict=True):
+                    results[i] = result
+        except BaseException as error:  # the connection failed: every call in it did
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
+            return
+        for (_, _, future), result in zip(batch, results, strict=True):
+            if future.done():  # its decision gave up (deadline, cancellation)
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    async def _pipeline(
+        self, batch: Sequence[tuple[Sequence[str], Sequence[Arg], asyncio.Future[Reply]]]
+    ) -> list[Any]:
+        sha = self._script.sha
+        if len(batch) == 1:
+            keys, args, _ = batch[0]
+            try:
                 reply = await self.client.execute_command(  # type: ignore[no-untyped-call]
-                    "EVALSHA", self._script.sha, len(keys), *keys, *args
+                    "EVALSHA", sha, len(keys), *keys, *args
                 )
-            return reply
+            except ResponseError as error:
+                return [error]
+            return [reply]
+        pipe = self.client.pipeline(transaction=False)
+        for keys, args, _ in batch:
+            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        return list(await pipe.execute(raise_on_error=False))
 
     async def delete(self, keys: Sequence[str]) -> None:
         with translate_errors(self.address):
@@ -79,5 +137,7 @@ class RedisStore(Store):
         return ServerClock()
 
     async def aclose(self) -> None:
+        if self._flushing:
+            await asyncio.gather(*self._flushing, return_exceptions=True)
         if self._owns:
             await self.client.aclose()

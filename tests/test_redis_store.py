@@ -1,0 +1,61 @@
+"""The standalone store pipelines concurrent decisions and survives a lost script."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as redis
+
+from aiolimit import Limit, Limiter
+from aiolimit._keys import main_key
+
+
+async def _stored(redis_url: str, key: str) -> dict[bytes, bytes]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return await client.hgetall(key)  # type: ignore[no-any-return,misc]
+    finally:
+        await client.aclose()
+
+
+async def test_script_flush_mid_load_costs_no_error_and_no_double_charge(
+    redis_url: str, prefix: str
+) -> None:
+    """SCRIPT FLUSH between batches: every call reloads and runs once; counts stay exact."""
+    admin = redis.Redis.from_url(redis_url)
+    async with Limiter(redis_url, [Limit(1000, per=3600)], prefix=prefix) as limiter:
+        try:
+            for _ in range(5):
+                await admin.script_flush()
+                decisions = await asyncio.gather(
+                    *(limiter.try_acquire("ip:flush") for _ in range(40))
+                )
+                assert all(d.allowed for d in decisions)
+            final = await limiter.peek("ip:flush")
+            assert final.remaining == 1000 - 200 - 1
+        finally:
+            await admin.aclose()
+
+
+async def test_many_concurrent_decisions_share_pipelines_exactly(
+    redis_url: str, prefix: str
+) -> None:
+    """500 concurrent calls (several pipelines per tick) admit exactly the capacity of 120."""
+    async with Limiter(redis_url, [Limit(120, per=3600)], prefix=prefix) as limiter:
+        decisions = await asyncio.gather(*(limiter.try_acquire("ip:burst") for _ in range(500)))
+        assert sum(d.allowed for d in decisions) == 120
+    stored = await _stored(redis_url, main_key(prefix, "ip:burst"))
+    assert sum(int(v) for k, v in stored.items() if k != b"t") == 120
+
+
+async def test_a_cancelled_caller_does_not_disturb_its_batch(redis_url: str, prefix: str) -> None:
+    """Cancelling one decision in flight leaves the others in its pipeline correct."""
+    async with Limiter(redis_url, [Limit(1000, per=3600)], prefix=prefix) as limiter:
+        tasks = [asyncio.ensure_future(limiter.try_acquire(f"ip:{i % 3}")) for i in range(30)]
+        await asyncio.sleep(0)
+        tasks[7].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(results[7], asyncio.CancelledError)
+        assert all(getattr(r, "allowed", False) for i, r in enumerate(results) if i != 7)
+        follow_up = await limiter.try_acquire("ip:0")
+        assert follow_up.allowed
