@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 
@@ -18,7 +18,7 @@ from aiolimit._lease import Lease
 from aiolimit._protocol import Protocol, new_op_id
 from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight
 from aiolimit._store import Store
-from aiolimit._stores import open_store
+from aiolimit._stores import default_deadline, open_store
 from aiolimit._wire import ACQUIRE, CHECK, REFUND, UNDO, Call
 
 # acquire reserves a GCRA turn at most this far ahead (also keeps the scaled values exact).
@@ -60,17 +60,18 @@ class Limiter:
         clock: Clock | None = None,
         count_refused: bool = False,
         socket_timeout: float = 2.0,
-        deadline: float | None = 1.0,
+        deadline: float | Literal["auto"] | None = "auto",
         on_error: OnError = "raise",
         failure_threshold: int = 5,
         recovery_time: float = 1.0,
     ) -> None:
-        # Failure policy (aiolimit._failure): each decision gets `deadline` seconds; a store
+        # Failure policy (aiolimit._failure): each decision gets `deadline` seconds ("auto":
+        # 1 s, or 5 s on a cluster so a failover is ridden through); a store
         # failure raises, admits ("open") or refuses ("closed") with degraded=True; after
         # `failure_threshold` failures in a row the breaker stops asking the store for
         # `recovery_time` seconds, then probes.
         self._failure = FailurePolicy(
-            deadline=deadline,
+            deadline=default_deadline(store) if deadline == "auto" else deadline,
             on_error=on_error,
             breaker=CircuitBreaker(failure_threshold, recovery_time),
         )

@@ -18,11 +18,10 @@ these script calls concurrently, return each reply or error), so it is tested wi
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-
-import anyio
 
 from aiolimit._decision import Decision
 from aiolimit._rules import IdentifierPlan
@@ -85,6 +84,7 @@ class Protocol:
         self._slack_ms = slack_ms
         self._penalty = penalty
         self.statistics = ProtocolStatistics()
+        self._undoing: set[asyncio.Task[list[RawReply | BaseException]]] = set()
 
     def _calls(
         self, mode: str, groups: Sequence[Sequence[IdentifierPlan]], weight: int,
@@ -138,7 +138,14 @@ class Protocol:
                 self.statistics.refused_at_check += 1
                 return _merge(checked)
         calls = self._calls(ACQUIRE, groups, weight, now_us, op, max_wait_us)
-        results = await self._run(calls)
+        try:
+            results = await self._run(calls)
+        except BaseException:
+            # Cancelled or out of time with the commits in flight: any of them may have
+            # charged. Undo every slot (an undo of an op never applied only tombstones it).
+            self.statistics.compensations += 1
+            await self._undo(calls, weight, now_us, op)
+            raise
         replies: list[Reply | None] = [
             None if isinstance(result, BaseException) else decode(call, result)
             for call, result in zip(calls, results, strict=True)
@@ -148,23 +155,35 @@ class Protocol:
             return _merge([reply for reply in replies if reply is not None])
         if self._penalty and error is None:
             return _merge([reply for reply in replies if reply is not None])
-        # Undo: refund the op on every slot whose commit may have charged (allowed, or no
-        # reply at all). Slots that refused charged nothing; the refund's tombstone is
-        # harmless there, so they are skipped only to save a round trip.
+        # Undo the op on every slot whose commit may have charged (allowed, or no reply at
+        # all). Slots that refused charged nothing; they are skipped to save a round trip.
         self.statistics.compensations += 1
         undo = [
             call
             for call, reply in zip(calls, replies, strict=True)
             if reply is None or reply.allowed
         ]
-        refunds = [encode(UNDO, call.plans, weight, now_us, self._slack_ms, op) for call in undo]
-        # Shielded: a deadline or a cancellation arriving now must not leave charges behind.
-        with anyio.CancelScope(shield=True):
-            refund_results = await self._run(refunds)
-        refund_error = _first_error(refund_results)
-        if refund_error is not None:
-            self.statistics.compensation_errors += 1
-            raise refund_error
+        await self._undo(undo, weight, now_us, op)
         if error is not None:
             raise error
         return _merge([reply for reply in replies if reply is not None])
+
+    async def _undo(self, calls: Sequence[Call], weight: int, now_us: int | None, op: str) -> None:
+        """Undoes ``op`` on the slots of ``calls``, in a task of its own: a deadline or a
+        cancellation of the decision stops the waiting, never the undo."""
+        undos = [encode(UNDO, call.plans, weight, now_us, self._slack_ms, op) for call in calls]
+        task = asyncio.ensure_future(self._run(undos))
+        self._undoing.add(task)
+        task.add_done_callback(self._undo_done)
+        results = await asyncio.shield(task)
+        error = _first_error(results)
+        if error is not None:
+            raise error
+
+    def _undo_done(self, task: asyncio.Task[list[RawReply | BaseException]]) -> None:
+        self._undoing.discard(task)
+        failed = task.cancelled() or task.exception() is not None
+        if not failed:
+            failed = _first_error(task.result()) is not None
+        if failed:
+            self.statistics.compensation_errors += 1

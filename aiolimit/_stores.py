@@ -16,6 +16,22 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SCHEMES = (*REDIS_SCHEMES, *CLUSTER_SCHEMES, "memory")
 
 
+#: Seconds per decision when the limiter is not told: a cluster rides through a failover
+#: (2-3 s) within its deadline; a single server answers fast or not at all.
+DEFAULT_DEADLINE = 1.0
+CLUSTER_DEFAULT_DEADLINE = 5.0
+
+
+def default_deadline(store: object) -> float:
+    """The deadline ``Limiter(..., deadline="auto")`` gives decisions on ``store``."""
+    clustered = isinstance(store, RedisCluster) or (
+        isinstance(store, Store) and not store.single_slot
+    )
+    if isinstance(store, str):
+        clustered = urlsplit(store).scheme.lower() in CLUSTER_SCHEMES
+    return CLUSTER_DEFAULT_DEADLINE if clustered else DEFAULT_DEADLINE
+
+
 def open_store(
     store: str | Any, *, socket_timeout: float, bounded_by_deadline: bool = False
 ) -> Store:

@@ -252,3 +252,35 @@ async def test_statistics_count_slots_per_call(slots: FakeSlots, rules: Rules) -
     stats = proto.statistics
     assert (stats.single_slot, stats.multi_slot) == (1, 2)
     assert stats.slots_per_call == {2: 1, 3: 1}
+
+
+async def test_a_deadline_during_the_commit_still_undoes_every_slot(
+    slots: FakeSlots, rules: Rules
+) -> None:
+    """Cancelled while its commits are in flight, a decision undoes them all, to zero."""
+    import asyncio
+
+    release = asyncio.Event()
+    proto = protocol(slots)
+    real_run = slots.run
+
+    async def slow_commits(calls: Sequence[Call]) -> list[list[int] | BaseException]:
+        results = await real_run(calls)  # the commits apply on the server ...
+        if calls and calls[0].args[0] == "acquire":
+            await release.wait()  # ... but their replies never arrive in time
+        return results
+
+    proto._run = slow_commits
+    plans = rules.plans(["a", "b", "c"])
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await proto.decide("acquire", plans, 1, None)
+    await asyncio.sleep(0)  # let the undo task run to completion
+    for _ in range(5):
+        if not proto._undoing:
+            break
+        await asyncio.sleep(0.01)
+    assert slots.modes()[-3:] == ["undo", "undo", "undo"]
+    assert all(count == 0 for count in slots.used.values())
+    assert proto.statistics.compensations == 1
+    release.set()
