@@ -6,28 +6,39 @@
 -- The window is the last n = ceil(P / p) buckets of width p, aligned to the epoch, the current
 -- one included. With p == P that is a calendar-aligned fixed window. A non-dividing p makes the
 -- window slightly longer than P, never shorter: it errs on the side of refusing.
--- Storage: main HASH fields "w<P>/<p>:<bucket index>" (fixed window: "f<P>/<P>:<index>")
--- = weight charged in that bucket.
--- Stale buckets are deleted on every write; the key's TTL covers the newest bucket's life.
+-- Storage: ONE main HASH field per limit, "w<P>/<p>" (fixed window: "f<P>/<P>"), holding the
+-- non-empty buckets of the window as "<base index>;<offset>:<weight>,<offset>:<weight>..."
+-- (offsets from the base, ascending). One field per limit keeps HGETALL, parsing and memory
+-- proportional to the limits, not to their buckets. Buckets that left the window are dropped
+-- on every write; the key's TTL covers the newest bucket's life.
 
+local function sw_name(pair)
+  return (pair.code == 'fw' and 'f' or 'w') .. pair.period_s .. '/' .. pair.param_s
+end
+
+-- The limit's buckets as {index = weight}, parsed once per call and shared by its pairs.
 local function sw_buckets(s, pair)
+  local name = sw_name(pair)
   local cache = s.sw
   if not cache then
     cache = {}
     s.sw = cache
-    for field, value in pairs(s.fields) do
-      local name, idx = string.match(field, '^([wf][^:]+):(%d+)$')
-      if name then
-        local b = cache[name]
-        if not b then b = {}; cache[name] = b end
-        b[tonumber(idx)] = tonumber(value)
+  end
+  local b = cache[name]
+  if not b then
+    b = {}
+    cache[name] = b
+    local raw = s.fields[name]
+    if raw then
+      local base, rest = string.match(raw, '^(%d+);(.*)$')
+      base = tonumber(base)
+      if base then
+        for offset, weight in string.gmatch(rest, '(%d+):(%d+)') do
+          b[base + tonumber(offset)] = tonumber(weight)
+        end
       end
     end
   end
-  -- "sw" stores under "w", "fw" under "f" (the header's field names).
-  local name = (pair.code == 'fw' and 'f' or 'w') .. pair.period_s .. '/' .. pair.param_s
-  local b = cache[name]
-  if not b then b = {}; cache[name] = b end
   return name, b
 end
 
@@ -46,6 +57,19 @@ local function sw_live(b, cur, n)
   end
   table.sort(idxs)
   return idxs
+end
+
+-- Writes the window's buckets back (dropping those that left it), or the field away.
+local function sw_store(s, name, b, cur, n)
+  local idxs = sw_live(b, cur, n)
+  if #idxs == 0 then
+    stage_del(s, name)
+    return
+  end
+  local base = idxs[1]
+  local parts = {}
+  for i, idx in ipairs(idxs) do parts[i] = fmt(idx - base) .. ':' .. fmt(b[idx]) end
+  stage_set(s, name, fmt(base) .. ';' .. table.concat(parts, ','))
 end
 
 local sliding_window = {
@@ -85,14 +109,8 @@ local sliding_window = {
   charge = function(s, pair, now, weight)
     local name, b = sw_buckets(s, pair)
     local p, n, cur = sw_geometry(pair, now)
-    for idx, _ in pairs(b) do
-      if idx <= cur - n then
-        b[idx] = nil
-        stage_del(s, name .. ':' .. fmt(idx))
-      end
-    end
     b[cur] = (b[cur] or 0) + weight
-    stage_set(s, name .. ':' .. fmt(cur), fmt(b[cur]))
+    sw_store(s, name, b, cur, n)
     want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
   end,
 
@@ -115,14 +133,12 @@ local sliding_window = {
         local take = math.min(have, left)
         left = left - take
         b[idx] = have - take
-        if b[idx] == 0 then
-          stage_del(s, name .. ':' .. fmt(idx))
-        else
-          stage_set(s, name .. ':' .. fmt(idx), fmt(b[idx]))
-        end
       end
     end
-    want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
+    if left < weight then
+      sw_store(s, name, b, cur, n)
+      want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
+    end
   end,
 }
 

@@ -80,9 +80,8 @@ class Backend:
         return int(self._engine().pttl(key))
 
     async def counts(self, identifier: str) -> dict[str, int]:
-        """The identifier's bucket fields (everything but ``t``) as integers."""
-        fields = await self.hgetall(identifier)
-        return {name: int(value) for name, value in fields.items() if name != "t"}
+        """The identifier's window buckets as ``{"w<P>/<p>:<bucket index>": weight}``."""
+        return bucket_counts(await self.hgetall(identifier))
 
     async def snapshot(self) -> dict[str, dict[str, str]]:
         """Every key under the prefix with its HASH fields: the whole stored state."""
@@ -149,3 +148,17 @@ def admitted_total(results: Sequence[tuple[str, Any]]) -> int:
     errors = [value for status, value in results if status != "ok"]
     assert not errors, errors
     return sum(value for _, value in results)
+
+
+def bucket_counts(fields: dict[str, str]) -> dict[str, int]:
+    """Expands the sliding/fixed window fields of a main key (lua/sliding_window.lua stores
+    one field per limit, "<base>;<offset>:<weight>,...") into one entry per bucket."""
+    counts = {}
+    for name, value in fields.items():
+        if name[:1] not in ("w", "f"):
+            continue
+        base, _, rest = value.partition(";")
+        for item in filter(None, rest.split(",")):
+            offset, _, weight = item.partition(":")
+            counts[f"{name}:{int(base) + int(offset)}"] = int(weight)
+    return counts

@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+from _workers import bucket_counts
 from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.crc import key_slot
 
@@ -148,11 +149,11 @@ def stored(seed_url: str, prefix: str, hot: Sequence[str], limits: dict[str, lis
     try:
         result = {}
         for ident in hot:
-            fields = client.hgetall(main_key(prefix, ident))
+            fields = bucket_counts(client.hgetall(main_key(prefix, ident)))
             for limit in limits[ident.split(":")[0]]:
                 tail = wire(limit)
                 result[(ident, str(limit))] = sum(
-                    int(v) for name, v in fields.items() if name[1:].startswith(tail)
+                    weight for name, weight in fields.items() if name[1:].startswith(tail)
                 )
         return result
     finally:

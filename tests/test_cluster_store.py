@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from _workers import bucket_counts
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
@@ -32,7 +33,8 @@ def wire(limit: Limit) -> str:
 def charged(fields: dict[str, str], limit: Limit) -> int:
     """Total weight stored in ``limit``'s buckets (fields ``<code><P>/<p>:<index>``)."""
     tail = wire(limit)
-    return sum(int(value) for name, value in fields.items() if name[1:].startswith(tail))
+    counts = bucket_counts(fields)
+    return sum(weight for name, weight in counts.items() if name[1:].startswith(tail))
 
 
 def owners(nodes: cluster.Cluster, prefix: str, identifiers: list[str]) -> list[int]:
