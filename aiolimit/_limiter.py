@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Literal
-
-import anyio
 
 from aiolimit._clock import Clock
 from aiolimit._decision import Decision
@@ -20,6 +20,8 @@ from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight
 from aiolimit._store import Store
 from aiolimit._stores import default_deadline, open_store
 from aiolimit._wire import ACQUIRE, CHECK, REFUND, UNDO, Call
+
+logger = logging.getLogger("aiolimit")
 
 # acquire reserves a GCRA turn at most this far ahead (also keeps the scaled values exact).
 MAX_RESERVATION_US = 3_600_000_000
@@ -95,6 +97,7 @@ class Limiter:
             always_op_ids=self._store.retries_calls,
             single_slot=self._store.single_slot,
         )
+        self._background: set[asyncio.Task[None]] = set()
         self._counts = {"decisions": 0, "allowed": 0, "refused": 0, "errors": 0, "waits": 0}
 
     @property
@@ -151,7 +154,14 @@ class Limiter:
     ) -> tuple[Decision, str]:
         leases = any(plan.has_leases for plan in plans)
         op = new_op_id() if leases or max_wait_us else ""
-        decision = await self._decide(ACQUIRE, (), weight, op, max_wait_us, plans)
+        try:
+            decision = await self._decide(ACQUIRE, (), weight, op, max_wait_us, plans)
+        except BaseException:
+            if leases:  # the script may have taken the lease before the caller went away
+                await self._undo(plans, weight, op)
+            raise
+        if leases and decision.degraded:  # the store may still apply it after the deadline
+            self._spawn_undo(plans, weight, op)
         counts = self._counts
         counts["decisions"] += 1
         counts["allowed" if decision.allowed else "refused"] += 1
@@ -191,40 +201,59 @@ class Limiter:
         # after the delay): waiters are served in arrival order with one call each, instead
         # of all waking at once and retrying.
         queueable = timeout != 0 and all(plan.queueable for plan in plans)
+        virtual = bool(getattr(clock, "virtual", False))
         while True:
             max_wait_us = 0
             if queueable:
                 left = MAX_RESERVATION_US if deadline is None else deadline - clock.monotonic()
                 max_wait_us = max(0, min(MAX_RESERVATION_US, int(left * 1_000_000)))
-            started = clock.monotonic()
+            started_us = await clock.now_us() if virtual else None
             decision, op = await self._try(plans, weight, max_wait_us)
             # On a virtual clock (ManualClock) other tasks may have moved time while this
-            # call was in flight; waits count from the decision, not from now.
-            elapsed = clock.monotonic() - started if getattr(clock, "virtual", False) else 0.0
+            # call was in flight; waits count from the decision, in whole µs.
+            elapsed_us = 0
+            if started_us is not None:
+                elapsed_us = ((await clock.now_us()) or started_us) - started_us
             if decision.allowed:
-                delay = max((p.retry_after for p in decision.details), default=0.0) - elapsed
-                if delay > 0 and not decision.degraded:
-                    await self._wait_reservation(plans, weight, op, delay)
+                delay_us = max((round(p.retry_after * 1e6) for p in decision.details), default=0)
+                if delay_us > elapsed_us and not decision.degraded:
+                    await self._wait_reservation(plans, weight, op, (delay_us - elapsed_us) / 1e6)
                 return decision
-            wait = decision.retry_after
-            if deadline is not None and clock.monotonic() + wait - elapsed > deadline:
+            wait = max(round(decision.retry_after * 1e6) - elapsed_us, 0) / 1e6
+            if deadline is not None and clock.monotonic() + wait > deadline:
                 raise RateLimited(decision)
             self._counts["waits"] += 1
             # A tiny margin: the server rounds to microseconds and its clock ticks on.
-            await clock.sleep(max(wait - elapsed, 0.0) + 0.000_5)
+            await clock.sleep(wait + (0.0 if virtual else 0.000_5))
+
+    def _spawn_undo(self, plans: list[IdentifierPlan], weight: int, op: str) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(self._undo_now(plans, weight, op))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _undo(self, plans: list[IdentifierPlan], weight: int, op: str) -> None:
+        """Undoes ``op`` in a task of its own, so a cancelled caller cannot stop it."""
+        await asyncio.shield(self._spawn_undo(plans, weight, op))
+
+    async def _undo_now(self, plans: list[IdentifierPlan], weight: int, op: str) -> None:
+        try:
+            now = await self.clock.now_us()
+            await self._protocol.decide(UNDO, plans, weight, now, op)
+        except Exception as error:  # the lease then expires by its TTL
+            logger.warning("aiolimit: could not undo op %s: %r", op, error)
 
     async def _wait_reservation(
         self, plans: list[IdentifierPlan], weight: int, op: str, delay: float
     ) -> None:
-        """Sleeps until a reserved turn; a waiter cancelled meanwhile gives its turn back."""
+        """Sleeps until a reserved turn.
+
+        A waiter cancelled meanwhile does not give its turn back: later waiters' turns were
+        counted after it, so returning a turn in the middle of the queue would let two of
+        them through at once. The turn stays a gap.
+        """
         self._counts["waits"] += 1
-        try:
-            await self.clock.sleep(delay)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                now = await self.clock.now_us()
-                await self._protocol.decide(UNDO, plans, weight, now, op)
-            raise
+        await self.clock.sleep(delay)
 
     def limit(
         self, ids: Identifiers, weight: int = 1, *, timeout: float | None = None
@@ -262,6 +291,8 @@ class Limiter:
 
     async def aclose(self) -> None:
         """Closes the connections the limiter opened (not a client you passed in)."""
+        if self._background:  # undos of leases whose callers went away
+            await asyncio.gather(*self._background, return_exceptions=True)
         await self._store.aclose()
 
     async def __aenter__(self) -> Limiter:

@@ -110,13 +110,6 @@ async def test_cancelling_half_of_20_holders_returns_the_count_to_zero(
         assert await stored(limiter, store_url, prefix) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a holder cancelled while its acquire call is in flight leaks its lease until "
-    "lease_ttl: the script charged the lease but Limiter._try never got the reply, so no "
-    "Lease exists to release and the op is never undone (Limiter._try needs a shielded UNDO "
-    "of its op id on cancellation, as _wait_reservation does)",
-)
 async def test_cancelling_holders_while_their_acquisition_is_in_flight_leaks_nothing(
     prefix: str,
 ) -> None:
