@@ -92,8 +92,8 @@ def free_port() -> int:
         return port
 
 
-async def wait_ready(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+async def wait_ready(port: int, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -149,7 +149,7 @@ async def run_variant(
         process.send_signal(signal.SIGINT)
         try:
             await asyncio.wait_for(process.wait(), 10)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             process.kill()
             await process.wait()
 

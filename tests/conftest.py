@@ -23,11 +23,12 @@ import gc
 import os
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from _workers import BACKENDS, Backend, open_backend
 
 import cluster
 from cluster import Cluster, Standalone
@@ -224,3 +225,28 @@ def fresh_cluster() -> Iterator[Cluster]:
 def prefix() -> str:
     """A key prefix unique to this test, e.g. "t-1a2b3c4d"."""
     return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(params=["redis", "memory"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """The store under test: the shared real Redis, or the embedded store."""
+    if request.param == "redis":
+        url: str = request.getfixturevalue("redis_url")
+        return url
+    return "memory://"
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_url(request: pytest.FixtureRequest) -> tuple[str, str | None]:
+    """(kind, URL) of the store under test: the shared real Redis, or the embedded store."""
+    if request.param == "redis":
+        return "redis", request.getfixturevalue("redis_url")
+    return "memory", None
+
+
+@pytest.fixture
+async def backend(backend_url: tuple[str, str | None], prefix: str) -> AsyncIterator[Backend]:
+    """The store under test, with raw access to what it stored (tests/_workers.py)."""
+    kind, url = backend_url
+    async with open_backend(kind, url, prefix) as opened:
+        yield opened

@@ -28,15 +28,6 @@ from aiolimit.testing import ManualClock
 START = 1_700_000_000.0  # a multiple of 10 s (and of 1 s, 2 s, 5 s, 60 s...)
 
 
-@pytest.fixture(params=["redis", "memory"])
-def store_url(request: pytest.FixtureRequest) -> str:
-    """The store under test: the shared real Redis, or the embedded store."""
-    if request.param == "redis":
-        url: str = request.getfixturevalue("redis_url")
-        return url
-    return "memory://"
-
-
 def us(seconds: float) -> int:
     return round(seconds * 1_000_000)
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from _workers import BACKENDS, Backend, open_backend
+from _workers import Backend
 
 from aiolimit import (
     BackendUnavailable,
@@ -28,20 +28,6 @@ from aiolimit.testing import ManualClock
 START = 1_700_000_000.25
 LIMITS = {"ip": [Limit(10, per=1), Limit(5, per=60)], "user": [Limit(3, per=1)]}
 Call = Callable[[Limiter], Awaitable[Any]]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend_url(request: pytest.FixtureRequest) -> tuple[str, str | None]:
-    if request.param == "redis":
-        return "redis", request.getfixturevalue("redis_url")
-    return "memory", None
-
-
-@pytest.fixture
-async def backend(backend_url: tuple[str, str | None], prefix: str) -> AsyncIterator[Backend]:
-    kind, url = backend_url
-    async with open_backend(kind, url, prefix) as opened:
-        yield opened
 
 
 @pytest.fixture

@@ -10,29 +10,14 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import queue
-from collections.abc import AsyncIterator
 
 import pytest
-from _workers import BACKENDS, Backend, admitted_total, burst_worker, open_backend
+from _workers import Backend, admitted_total, burst_worker, open_backend
 
 from aiolimit import Limit
 from aiolimit.testing import ManualClock
 
 START = 1_700_000_000.25
-
-
-@pytest.fixture(params=BACKENDS)
-def backend_url(request: pytest.FixtureRequest) -> tuple[str, str | None]:
-    if request.param == "redis":
-        return "redis", request.getfixturevalue("redis_url")
-    return "memory", None
-
-
-@pytest.fixture
-async def backend(backend_url: tuple[str, str | None], prefix: str) -> AsyncIterator[Backend]:
-    kind, url = backend_url
-    async with open_backend(kind, url, prefix) as opened:
-        yield opened
 
 
 async def test_200_concurrent_callers_on_a_limit_of_50_admit_exactly_50(backend: Backend) -> None:

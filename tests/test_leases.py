@@ -19,15 +19,6 @@ from aiolimit.testing import ManualClock
 START = 1_700_000_000.0
 
 
-@pytest.fixture(params=["redis", "memory"])
-def store_url(request: pytest.FixtureRequest) -> str:
-    """The store under test: the shared real Redis, or the embedded store."""
-    if request.param == "redis":
-        url: str = request.getfixturevalue("redis_url")
-        return url
-    return "memory://"
-
-
 async def in_flight(limiter: Limiter, identifier: str = "u:1") -> int:
     """Leases held on ``identifier``, as the limiter counts them."""
     (pair,) = (await limiter.peek(identifier)).details

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as redis_asyncio
-from _workers import BACKENDS, Backend, open_backend
+from _workers import Backend
 
 from aiolimit import Limit, Limiter, RateLimited, ServerClock
 from aiolimit.testing import ManualClock
@@ -27,20 +26,6 @@ def field(limit: Limit, at: float) -> str:
     per_us = round(limit.per * 1_000_000)
     precision_us = round((limit.precision or limit.per) * 1_000_000)
     return f"w{per_us}/{precision_us}:{round(at * 1_000_000) // precision_us}"
-
-
-@pytest.fixture(params=BACKENDS)
-def backend_url(request: pytest.FixtureRequest) -> tuple[str, str | None]:
-    if request.param == "redis":
-        return "redis", request.getfixturevalue("redis_url")
-    return "memory", None
-
-
-@pytest.fixture
-async def backend(backend_url: tuple[str, str | None], prefix: str) -> AsyncIterator[Backend]:
-    kind, url = backend_url
-    async with open_backend(kind, url, prefix) as opened:
-        yield opened
 
 
 async def test_admits_amount_then_refuses_until_next_bucket(backend: Backend) -> None:

@@ -27,15 +27,6 @@ IDENTIFIERS = ("a:1", "a:1", "a:2", "b:1")  # "a:1" twice as often: it runs out 
 START_US = 1_700_000_000 * US
 
 
-@pytest.fixture(params=["redis", "memory"])
-def store_url(request: pytest.FixtureRequest) -> str:
-    """The store under test: the shared real Redis, or the embedded store."""
-    if request.param == "redis":
-        url: str = request.getfixturevalue("redis_url")
-        return url
-    return "memory://"
-
-
 # --- what hypothesis draws ------------------------------------------------------------------
 
 periods_ms = st.one_of(

@@ -21,15 +21,6 @@ START = 1_700_000_000.0
 US = 1_000_000
 
 
-@pytest.fixture(params=["redis", "memory"])
-def store_url(request: pytest.FixtureRequest) -> str:
-    """The store under test: the shared real Redis, or the embedded store."""
-    if request.param == "redis":
-        url: str = request.getfixturevalue("redis_url")
-        return url
-    return "memory://"
-
-
 def elapsed_us(clock: ManualClock) -> int:
     return round(clock.time() * US) - round(START * US)
 
