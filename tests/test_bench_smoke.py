@@ -27,8 +27,9 @@ def test_bench_runs_every_contender_and_cleans_up(redis_url: str, tmp_path: Path
             assert outcome["decisions"] == 16 and outcome["errors"] == 0, (name, outcome)
             assert outcome["admitted"] == 16, (name, outcome)
             assert outcome["commands_per_decision"] > 0, (name, outcome)
-        # aiolimit decides every pair in one script call on a standalone server.
-        assert result["contenders"]["aiolimit"]["round_trips_per_decision"] == 1.0
+        # aiolimit decides every pair in one script call on a standalone server, and
+        # concurrent decisions share pipelines: at most one round trip each.
+        assert 0 < result["contenders"]["aiolimit"]["round_trips_per_decision"] <= 1.0
     for row in report["memory"]:
         assert row.get("status", "ok") == "ok" and row["bytes"] > 0, row
         assert row["admitted"] == 240 and row["next_refused"], row
