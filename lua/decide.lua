@@ -98,7 +98,16 @@ end
 local function flush()
   for _, s in ipairs(mains) do
     if s.dirty then
-      stage_set(s, 't', fmt(now_for(s)))
+      local t = now_for(s)
+      stage_set(s, 't', fmt(t))
+      -- The TTL only ever needs to grow; it is set with TTL_STEP_MS to spare and the expiry
+      -- (in this key's time) kept in "x", so a busy key pays PEXPIRE about once a second.
+      local expiry = t + (s.ttl_ms + slack) * 1000
+      local ttl = nil
+      if expiry > (tonumber(s.fields['x']) or 0) then
+        ttl = s.ttl_ms + slack + TTL_STEP_MS
+        stage_set(s, 'x', fmt(t + ttl * 1000))
+      end
       local hset = {}
       for field, value in pairs(s.set) do
         hset[#hset + 1] = field
@@ -108,7 +117,7 @@ local function flush()
       local hdel = {}
       for field, _ in pairs(s.del) do hdel[#hdel + 1] = field end
       if #hdel > 0 then redis.call('HDEL', s.key, unpack(hdel)) end
-      redis.call('PEXPIRE', s.key, s.ttl_ms + slack)
+      if ttl then redis.call('PEXPIRE', s.key, ttl) end
     end
   end
 end

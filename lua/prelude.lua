@@ -6,12 +6,14 @@
 --
 -- Per-identifier state lives in one HASH, the identifier's "main key" (<prefix>:{<id>}):
 --   t              last time (µs) this identifier was written; time never runs backwards
+--   x              when (µs, in the same time) the key's TTL runs out at the earliest
 --   <algorithm fields>, named by each algorithm (see their headers)
 -- Times are integers in microseconds; they are never formatted with tostring (Lua 5.1 would
 -- print 1.7e+15), always with string.format('%d').
 
 local ALGORITHMS = {}
 local OP_RETENTION_MS = 120000  -- op records outlive any retry of the op that wrote them
+local TTL_STEP_MS = 1000  -- TTLs are set this much longer than needed, and so set less often
 
 local function fmt(n)
   return string.format('%d', n)

@@ -8,15 +8,17 @@
 -- window slightly longer than P, never shorter: it errs on the side of refusing.
 -- Storage: ONE main HASH field per limit, "w<P>/<p>" (fixed window: "f<P>/<P>"), holding the
 -- non-empty buckets of the window as "<base index>;<offset>:<weight>,<offset>:<weight>..."
--- (offsets from the base, ascending). One field per limit keeps HGETALL, parsing and memory
--- proportional to the limits, not to their buckets. Buckets that left the window are dropped
--- on every write; the key's TTL covers the newest bucket's life.
+-- with offsets from the base, ascending. One field per limit keeps HGETALL, parsing and memory
+-- proportional to the limits, not to their buckets, and the order makes a sort unnecessary.
+-- Buckets that left the window are dropped on every write; the key's TTL covers the newest
+-- bucket's life. Bucket indexes and weights stay far below 1e14, so Lua prints them exactly.
 
 local function sw_name(pair)
   return (pair.code == 'fw' and 'f' or 'w') .. pair.period_s .. '/' .. pair.param_s
 end
 
--- The limit's buckets as {index = weight}, parsed once per call and shared by its pairs.
+-- The limit's buckets as two ascending arrays {i = indexes, c = weights}, parsed once per call
+-- and shared by the pairs of that limit.
 local function sw_buckets(s, pair)
   local name = sw_name(pair)
   local cache = s.sw
@@ -26,18 +28,22 @@ local function sw_buckets(s, pair)
   end
   local b = cache[name]
   if not b then
-    b = {}
-    cache[name] = b
+    local i, c = {}, {}
     local raw = s.fields[name]
     if raw then
       local base, rest = string.match(raw, '^(%d+);(.*)$')
       base = tonumber(base)
       if base then
+        local k = 0
         for offset, weight in string.gmatch(rest, '(%d+):(%d+)') do
-          b[base + tonumber(offset)] = tonumber(weight)
+          k = k + 1
+          i[k] = base + tonumber(offset)
+          c[k] = tonumber(weight)
         end
       end
     end
+    b = {i = i, c = c}
+    cache[name] = b
   end
   return name, b
 end
@@ -45,71 +51,84 @@ end
 local function sw_geometry(pair, now)
   local p = pair.param
   local n = math.ceil(pair.period / p)
-  local cur = math.floor(now / p)
-  return p, n, cur
+  return p, n, math.floor(now / p)
 end
 
--- Sorted indexes of the non-empty buckets inside the window.
-local function sw_live(b, cur, n)
-  local idxs = {}
-  for idx, count in pairs(b) do
-    if idx > cur - n and idx <= cur and count > 0 then idxs[#idxs + 1] = idx end
+-- Positions of the first and last non-empty buckets inside the window (nil if none), and
+-- the weight they hold.
+local function sw_span(b, cur, n)
+  local i, c = b.i, b.c
+  local first, last, count = nil, nil, 0
+  for k = 1, #i do
+    local idx = i[k]
+    if idx > cur - n and idx <= cur and c[k] > 0 then
+      if not first then first = k end
+      last = k
+      count = count + c[k]
+    end
   end
-  table.sort(idxs)
-  return idxs
+  return first, last, count
 end
 
 -- Writes the window's buckets back (dropping those that left it), or the field away.
 local function sw_store(s, name, b, cur, n)
-  local idxs = sw_live(b, cur, n)
-  if #idxs == 0 then
-    stage_del(s, name)
-    return
+  local i, c = b.i, b.c
+  local parts, base = {}, nil
+  for k = 1, #i do
+    local idx = i[k]
+    if idx > cur - n and idx <= cur and c[k] > 0 then
+      if not base then base = idx end
+      parts[#parts + 1] = (idx - base) .. ':' .. c[k]
+    end
   end
-  local base = idxs[1]
-  local parts = {}
-  for i, idx in ipairs(idxs) do parts[i] = fmt(idx - base) .. ':' .. fmt(b[idx]) end
-  stage_set(s, name, fmt(base) .. ';' .. table.concat(parts, ','))
+  if base then
+    stage_set(s, name, base .. ';' .. table.concat(parts, ','))
+  else
+    stage_del(s, name)
+  end
 end
 
 local sliding_window = {
   check = function(s, pair, now, weight)
     local _, b = sw_buckets(s, pair)
     local p, n, cur = sw_geometry(pair, now)
-    local idxs = sw_live(b, cur, n)
-    local count = 0
-    for _, idx in ipairs(idxs) do count = count + b[idx] end
+    local first, last, count = sw_span(b, cur, n)
     if count + weight <= pair.amount then
       -- After a charge the current bucket is the newest; with weight 0 (the state after a
       -- refund) it is the newest non-empty one, and an empty window is full already.
       local reset = 0
       if weight > 0 then
         reset = (cur + n) * p - now
-      elseif #idxs > 0 then
-        reset = (idxs[#idxs] + n) * p - now
+      elseif last then
+        reset = (b.i[last] + n) * p - now
       end
       return true, pair.amount - count - weight, 0, reset
     end
-    local retry = 0
-    local freed = 0
-    for _, idx in ipairs(idxs) do
-      freed = freed + b[idx]
-      if count - freed + weight <= pair.amount then
-        retry = (idx + n) * p - now
-        break
+    local retry, freed = 0, 0
+    for k = first, last do
+      if b.i[k] > cur - n and b.c[k] > 0 then
+        freed = freed + b.c[k]
+        if count - freed + weight <= pair.amount then
+          retry = (b.i[k] + n) * p - now
+          break
+        end
       end
     end
-    local reset = 0
-    if #idxs > 0 then reset = (idxs[#idxs] + n) * p - now end
     local remaining = pair.amount - count
     if remaining < 0 then remaining = 0 end
-    return false, remaining, retry, reset
+    return false, remaining, retry, (b.i[last] + n) * p - now
   end,
 
   charge = function(s, pair, now, weight)
     local name, b = sw_buckets(s, pair)
     local p, n, cur = sw_geometry(pair, now)
-    b[cur] = (b[cur] or 0) + weight
+    local k = #b.i
+    if k > 0 and b.i[k] == cur then
+      b.c[k] = b.c[k] + weight
+    else
+      b.i[k + 1] = cur
+      b.c[k + 1] = weight
+    end
     sw_store(s, name, b, cur, n)
     want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
   end,
@@ -119,20 +138,14 @@ local sliding_window = {
   refund = function(s, pair, now, weight, at)
     local name, b = sw_buckets(s, pair)
     local p, n, cur = sw_geometry(pair, now)
-    local idxs
-    if at then
-      idxs = {math.floor(at / p)}
-    else
-      idxs = sw_live(b, cur, n)
-    end
+    local only = at and math.floor(at / p)
     local left = weight
-    for i = #idxs, 1, -1 do
-      local idx = idxs[i]
-      local have = b[idx] or 0
-      if idx > cur - n and have > 0 and left > 0 then
-        local take = math.min(have, left)
+    for k = #b.i, 1, -1 do
+      local idx = b.i[k]
+      if left > 0 and idx > cur - n and idx <= cur and (not only or idx == only) then
+        local take = math.min(b.c[k], left)
         left = left - take
-        b[idx] = have - take
+        b.c[k] = b.c[k] - take
       end
     end
     if left < weight then
