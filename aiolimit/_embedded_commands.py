@@ -1,233 +1,40 @@
-"""Redis command semantics for the embedded backend: numbers, sorted sets and the handlers.
+"""Redis commands for the embedded backend: the command table, its dispatch and the handlers.
 
-Each handler keeps Redis 7.0's replies and errors, including its number rules (strict
-integers, C ``strtod`` floats, ``long double`` INCRBYFLOAT, ``%.17g`` scores), because the
-same Lua must behave the same on both backends; ``tests/test_embedded_store.py`` checks this
-against a real server. The keys, their values and deadlines live in ``_embedded_store``'s
-``Keyspace``; handlers reach them through it.
+Each handler keeps Redis 7.0's replies and errors, because the same Lua must behave the same on
+both backends; ``tests/test_embedded_store.py`` checks this against a real server. Number rules
+live in ``_embedded_numbers``, the keys and their deadlines in ``_embedded_keyspace``, and the
+sorted set handlers (registered here with the rest) in ``_embedded_sorted_sets``.
 """
 
 from __future__ import annotations
 
-import math
-import re
-from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING, TypeAlias
 
-if TYPE_CHECKING:
-    from aiolimit._embedded_store import Keyspace
-
-Reply: TypeAlias = "int | bytes | list[Reply] | None"
-Handler: TypeAlias = "Callable[[Keyspace, Sequence[bytes]], Reply]"
-
-WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
-NOT_INTEGER = "ERR value is not an integer or out of range"
-NOT_FLOAT = "ERR value is not a valid float"
-SYNTAX = "ERR syntax error"
-
-LLONG_MAX = 2**63 - 1
-LLONG_MIN = -(2**63)
-_C_SPACE = b" \t\n\v\f\r"
-_INTEGER = re.compile(rb"0|-?[1-9][0-9]{0,18}")
-# What C's strtod accepts: hex floats, decimals, inf/infinity, nan(...), case-insensitive.
-_NUMBER = re.compile(
-    rb"([+-]?)(?:0x(?P<hex>[0-9a-f]+\.?[0-9a-f]*|\.[0-9a-f]+)(?:p(?P<bexp>[+-]?[0-9]+))?"
-    rb"|(?P<dec>[0-9]+\.?[0-9]*|\.[0-9]+)(?:e(?P<dexp>[+-]?[0-9]+))?"
-    rb"|(?P<inf>inf(?:inity)?)|(?P<nan>nan(?:\([0-9a-z_]*\))?))",
-    re.IGNORECASE,
+from aiolimit import _embedded_sorted_sets as sorted_sets
+from aiolimit._embedded_numbers import (
+    LLONG_MAX,
+    LLONG_MIN,
+    format_long_double,
+    int_arg,
+    long_double_add,
+    parse_long_double,
 )
-_LONG_DOUBLE_BITS = 64  # x86-64 long double: 64-bit significand, as Redis is usually built
-_LONG_DOUBLE_QUANTUM = 16445  # the smallest subnormal is 2**-16445
-_LONG_DOUBLE_LIMIT = Fraction(2) ** 16384
+from aiolimit._embedded_replies import (
+    NOT_FLOAT,
+    NOT_INTEGER,
+    SYNTAX,
+    CommandError,
+    Reply,
+    Status,
+    text,
+)
 
+if TYPE_CHECKING:
+    from aiolimit._embedded_keyspace import Keyspace
 
-def parse_int(raw: bytes) -> int | None:
-    """Redis' string2ll: canonical decimals only ("01", "+1", " 1" and "-0" are refused)."""
-    if _INTEGER.fullmatch(raw) is None:
-        return None
-    value = int(raw)
-    return value if LLONG_MIN <= value <= LLONG_MAX else None
-
-
-def _to_float(match: re.Match[bytes]) -> float:
-    if match["inf"]:
-        return -math.inf if match[1] == b"-" else math.inf
-    if match["nan"]:
-        return math.nan
-    if match["dec"] is not None:
-        return float(match[0])
-    try:
-        return float.fromhex(match[0].decode())
-    except OverflowError:
-        return -math.inf if match[1] == b"-" else math.inf
-
-
-def _nonzero_mantissa(match: re.Match[bytes]) -> bool:
-    return bool((match["hex"] or match["dec"] or b"").strip(b"0."))
-
-
-def parse_double(raw: bytes) -> float | None:
-    """Redis' getDoubleFromObject: the whole string, no NaN, no overflow or underflow to 0."""
-    match = _NUMBER.fullmatch(raw)
-    if match is None:
-        return None
-    value = _to_float(match)
-    out_of_range = (math.isinf(value) and not match["inf"]) or (
-        value == 0 and _nonzero_mantissa(match)
-    )
-    return None if math.isnan(value) or out_of_range else value
-
-
-def parse_range_bound(raw: bytes) -> tuple[float, bool] | None:
-    """A ZRANGEBYSCORE bound: "(" means exclusive; bare strtod on a C string ("" is 0)."""
-    exclusive = raw.startswith(b"(")
-    body = (raw[1:] if exclusive else raw).split(b"\0", 1)[0]
-    if not body:
-        return 0.0, exclusive
-    match = _NUMBER.fullmatch(body.lstrip(_C_SPACE))
-    value = math.nan if match is None else _to_float(match)
-    return None if math.isnan(value) else (value, exclusive)
-
-
-def _round_long_double(value: Fraction) -> Fraction | None:
-    """Round to the nearest long double (ties to even); None when it overflows."""
-    if value == 0:
-        return value
-    numerator, denominator = abs(value.numerator), value.denominator
-    exponent = numerator.bit_length() - denominator.bit_length()
-    if numerator << max(-exponent, 0) >= denominator << max(exponent, 0):
-        exponent += 1  # now 2**(exponent-1) <= |value| < 2**exponent
-    shift = min(_LONG_DOUBLE_BITS - exponent, _LONG_DOUBLE_QUANTUM)
-    scale = Fraction(2) ** shift
-    rounded = Fraction(round(abs(value) * scale)) / scale
-    if rounded >= _LONG_DOUBLE_LIMIT:
-        return None
-    return rounded if value > 0 else -rounded
-
-
-def parse_long_double(raw: bytes) -> Fraction | float | None:
-    """Redis' string2ld (strtold on the whole string): an exact long double, or +-inf."""
-    match = _NUMBER.fullmatch(raw) if len(raw) < 5120 else None
-    if match is None or match["nan"]:
-        return None
-    if match["inf"]:
-        return _to_float(match)
-    if match["dec"] is not None:
-        whole, _, fraction = match["dec"].partition(b".")
-        digits, base = (whole + fraction).lstrip(b"0"), 10
-        exponent = int(match["dexp"] or 0) - len(fraction)
-        if len(digits) > 1000:  # far past the 64 bits that matter; keep a sticky digit
-            exponent += len(digits) - 1001
-            digits = digits[:1000] + (b"1" if digits[1000:].strip(b"0") else b"0")
-        magnitude, limits = len(digits) + exponent, (-4960, 4940)
-        mantissa = int(digits or b"0")
-    else:
-        whole, _, fraction = match["hex"].partition(b".")
-        mantissa, base = int(whole + fraction, 16), 2
-        exponent = int(match["bexp"] or 0) - 4 * len(fraction)
-        magnitude, limits = mantissa.bit_length() + exponent, (-16500, 16400)
-    if magnitude > limits[1]:
-        return None
-    exact = (
-        Fraction(0)
-        if mantissa == 0 or magnitude < limits[0]
-        else mantissa * Fraction(base) ** exponent
-    )
-    value = _round_long_double(exact)
-    if value is None or (value == 0 and _nonzero_mantissa(match)):
-        return None
-    return -value if match[1] == b"-" else value
-
-
-def long_double_add(left: Fraction | float, right: Fraction | float) -> Fraction | None:
-    """The long double sum, or None when it is NaN or infinite."""
-    if isinstance(left, float) or isinstance(right, float):
-        return None
-    return _round_long_double(left + right)
-
-
-def _digits(number: int) -> str:
-    if number < 10**4000:  # str() refuses more than 4300 digits
-        return str(number)
-    high, low = divmod(number, 10**2000)
-    return _digits(high) + str(low).rjust(2000, "0")
-
-
-def format_long_double(value: Fraction) -> bytes:
-    """Redis' ld2string(LD_STR_HUMAN): "%.17Lf" without trailing zeros, and never "-0"."""
-    scaled = round(value * 10**17)
-    digits = _digits(abs(scaled)).rjust(18, "0")
-    whole, fraction = digits[:-17], digits[-17:].rstrip("0")
-    result = ("-" if scaled < 0 else "") + whole + ("." + fraction if fraction else "")
-    return result.encode()
-
-
-def format_double(value: float) -> bytes:
-    """Redis 7.0's addReplyDouble: "%.17g" (so 0.1 reads 0.10000000000000001)."""
-    if math.isinf(value):
-        return b"inf" if value > 0 else b"-inf"
-    return b"%.17g" % value
-
-
-class CommandError(Exception):
-    """A command failed; the message is Redis' error line, for example ``ERR syntax error``."""
-
-
-class Status(bytes):
-    """A status reply (``+OK``), which scripts see as ``{ok = ...}`` rather than a string."""
-
-
-def text(raw: bytes) -> str:
-    """User bytes inside an error message, reversibly (surrogateescape)."""
-    return raw.decode("utf-8", "surrogateescape")
-
-
-def int_arg(raw: bytes, error: str = NOT_INTEGER) -> int:
-    value = parse_int(raw)
-    if value is None:
-        raise CommandError(error)
-    return value
-
-
-class SortedSet:
-    """A ZSET: member -> score, plus the (score, member) pairs kept in Redis' order."""
-
-    __slots__ = ("entries", "scores")
-
-    def __init__(self) -> None:
-        self.scores: dict[bytes, float] = {}
-        self.entries: list[tuple[float, bytes]] = []
-
-    def insert(self, member: bytes, score: float) -> None:
-        score += 0.0  # Redis' small-set encoding stores -0 as 0
-        self.scores[member] = score
-        insort(self.entries, (score, member))
-
-    def remove(self, member: bytes) -> None:
-        score = self.scores.pop(member)
-        del self.entries[bisect_left(self.entries, (score, member))]
-
-    def score_slice(self, low: tuple[float, bool], high: tuple[float, bool]) -> tuple[int, int]:
-        """Index range [start, stop) of the entries whose score lies within the bounds."""
-        start = (bisect_right if low[1] else bisect_left)(self.entries, low[0], key=_score)
-        stop = (bisect_left if high[1] else bisect_right)(self.entries, high[0], key=_score)
-        return start, max(start, stop)
-
-    def rank_slice(self, start: int, end: int) -> tuple[int, int]:
-        """Redis' index rules: negative counts from the end, clamped; [start, stop) or empty."""
-        size = len(self.entries)
-        start, end = start + size if start < 0 else start, end + size if end < 0 else end
-        start = max(start, 0)
-        if start > end or start >= size:
-            return 0, 0
-        return start, min(end, size - 1) + 1
-
-
-def _score(entry: tuple[float, bytes]) -> float:
-    return entry[0]
-
+Handler: TypeAlias = "Callable[[Keyspace, Sequence[bytes]], Reply]"
 
 COMMANDS: dict[bytes, tuple[Handler, int, bool, str]] = {}
 
@@ -240,6 +47,29 @@ def command(name: str, arity: int, *, writes: bool = False) -> Callable[[Handler
         return handler
 
     return register
+
+
+def execute(
+    ks: Keyspace, args: Sequence[bytes], *, from_script: bool, read_only: bool = False
+) -> Reply:
+    """Run one command; raise CommandError with Redis' message when it fails."""
+    entry = COMMANDS.get(args[0].lower())
+    if entry is None:
+        if from_script:
+            raise CommandError("ERR Unknown Redis command called from script")
+        shown = "".join(f"'{text(arg)[:128]}' " for arg in args[1:])[:128]
+        raise CommandError(
+            f"ERR unknown command '{text(args[0])[:128]}', with args beginning with: {shown}"
+        )
+    handler, arity, writes, name = entry
+    if (arity > 0 and len(args) != arity) or len(args) < -arity:
+        if from_script:
+            raise CommandError("ERR Wrong number of args calling Redis command from script")
+        raise CommandError(f"ERR wrong number of arguments for '{name}' command")
+    if writes and read_only:
+        raise CommandError("ERR Write commands are not allowed from read-only scripts.")
+    ks.read_clocks()
+    return handler(ks, args)
 
 
 # ---------------------------------------------------------------------------- keyspace
@@ -489,177 +319,17 @@ def _hincrbyfloat(ks: Keyspace, args: Sequence[bytes]) -> Reply:
 
 # -------------------------------------------------------------------------- sorted sets
 
-_ZADD_OPTIONS = (b"nx", b"xx", b"gt", b"lt", b"incr", b"ch")
-
-
-def _zadd(ks: Keyspace, args: Sequence[bytes], flags: set[bytes]) -> Reply:
-    index = 2
-    while index < len(args) and args[index].lower() in _ZADD_OPTIONS:
-        flags.add(args[index].lower())
-        index += 1
-    pairs = args[index:]
-    if not pairs or len(pairs) % 2:
-        raise CommandError(SYNTAX)
-    nx, xx, gt, lt, incr, changed = (option in flags for option in _ZADD_OPTIONS)
-    if nx and xx:
-        raise CommandError("ERR XX and NX options at the same time are not compatible")
-    if (gt and nx) or (lt and nx) or (gt and lt):
-        raise CommandError("ERR GT, LT, and/or NX options at the same time are not compatible")
-    if incr and len(pairs) > 2:
-        raise CommandError("ERR INCR option supports a single increment-element pair")
-    scores = [parse_double(raw) for raw in pairs[::2]]
-    if None in scores:
-        raise CommandError(NOT_FLOAT)
-    zset = ks.get_zset(args[1])
-    if zset is None and xx:
-        return None if incr else 0
-    if zset is None:
-        zset = ks.data[bytes(args[1])] = SortedSet()
-    added = updated = processed = 0
-    score = 0.0
-    for new, member in zip(scores, pairs[1::2], strict=True):
-        assert new is not None
-        current = zset.scores.get(member)
-        if current is None:
-            if not xx:
-                zset.insert(bytes(member), new)
-                score, added, processed = new, added + 1, processed + 1
-            continue
-        if nx:
-            continue
-        if incr:
-            new += current
-            if math.isnan(new):
-                raise CommandError("ERR resulting score is not a number (NaN)")
-        if (lt and new >= current) or (gt and new <= current):
-            continue
-        score, processed = new, processed + 1
-        if new != current:
-            zset.remove(member)
-            zset.insert(bytes(member), new)
-            updated += 1
-    if incr:
-        return format_double(score) if processed else None
-    return added + updated if changed else added
-
-
-@command("zrem", -3, writes=True)
-def _zrem(ks: Keyspace, args: Sequence[bytes]) -> Reply:
-    zset = ks.get_zset(args[1]) or SortedSet()
-    removed = 0
-    for member in args[2:]:
-        if member in zset.scores:
-            zset.remove(member)
-            removed += 1
-    ks.drop_if_empty(args[1])
-    return removed
-
-
-def _zscore(ks: Keyspace, key: bytes, member: bytes) -> float | None:
-    zset = ks.get_zset(key)
-    return None if zset is None else zset.scores.get(member)
-
-
-def _zrank(ks: Keyspace, args: Sequence[bytes], reverse: bool) -> Reply:
-    score = _zscore(ks, args[1], args[2])
-    if score is None:
-        return None
-    entries = (ks.get_zset(args[1]) or SortedSet()).entries
-    rank = bisect_left(entries, (score, args[2]))
-    return len(entries) - 1 - rank if reverse else rank
-
-
-def _score_bounds(low: bytes, high: bytes) -> tuple[tuple[float, bool], tuple[float, bool]]:
-    bounds = parse_range_bound(low), parse_range_bound(high)
-    if bounds[0] is None or bounds[1] is None:
-        raise CommandError("ERR min or max is not a float")
-    return bounds[0], bounds[1]
-
-
-def _zcount(ks: Keyspace, args: Sequence[bytes]) -> Reply:
-    low, high = _score_bounds(args[2], args[3])
-    start, stop = (ks.get_zset(args[1]) or SortedSet()).score_slice(low, high)
-    return stop - start
-
-
-command("zadd", -4, writes=True)(lambda ks, args: _zadd(ks, args, set()))
-command("zincrby", 4, writes=True)(lambda ks, args: _zadd(ks, args, {b"incr"}))
-command("zcard", 2)(lambda ks, args: len((ks.get_zset(args[1]) or SortedSet()).scores))
-command("zcount", 4)(_zcount)
-command("zrank", 3)(lambda ks, args: _zrank(ks, args, False))
-command("zrevrank", 3)(lambda ks, args: _zrank(ks, args, True))
-
-
-@command("zscore", 3)
-def _zscore_command(ks: Keyspace, args: Sequence[bytes]) -> Reply:
-    score = _zscore(ks, args[1], args[2])
-    return None if score is None else format_double(score)
-
-
-def _zrange(
-    ks: Keyspace, args: Sequence[bytes], by_score: bool | None, reverse: bool | None
-) -> Reply:
-    with_scores, offset, limit = False, 0, -1
-    index = 4
-    while index < len(args):
-        option = args[index].lower()
-        if option == b"withscores":
-            with_scores = True
-        elif option == b"limit" and len(args) - index - 1 >= 2:
-            offset, limit = int_arg(args[index + 1]), int_arg(args[index + 2])
-            index += 2
-        elif option == b"rev" and reverse is None:
-            reverse = True
-        elif option == b"byscore" and by_score is None:
-            by_score = True
-        else:
-            raise CommandError(SYNTAX)
-        index += 1
-    if limit != -1 and not by_score:
-        raise CommandError(
-            "ERR syntax error, LIMIT is only supported in combination with either BYSCORE or BYLEX"
-        )
-    low, high = (args[3], args[2]) if reverse and by_score else (args[2], args[3])
-    if by_score:
-        bounds = _score_bounds(low, high)
-    else:
-        ranks = int_arg(low), int_arg(high)
-    zset = ks.get_zset(args[1]) or SortedSet()
-    entries = zset.entries
-    if by_score:
-        start, stop = zset.score_slice(*bounds)
-        chosen = entries[start:stop][::-1] if reverse else entries[start:stop]
-        if offset < 0 or (offset > 0 and offset >= len(entries)):
-            chosen = []
-        chosen = chosen[offset:] if limit < 0 else chosen[offset : offset + limit]
-    else:
-        start, stop = zset.rank_slice(*ranks)
-        size = len(entries)
-        chosen = entries[size - stop : size - start][::-1] if reverse else entries[start:stop]
-    if with_scores:
-        return [item for score, member in chosen for item in (member, format_double(score))]
-    return [member for _, member in chosen]
-
-
-command("zrange", -4)(lambda ks, args: _zrange(ks, args, None, None))
-command("zrevrange", -4)(lambda ks, args: _zrange(ks, args, False, True))
-command("zrangebyscore", -4)(lambda ks, args: _zrange(ks, args, True, False))
-command("zrevrangebyscore", -4)(lambda ks, args: _zrange(ks, args, True, True))
-
-
-def _zremrange(ks: Keyspace, args: Sequence[bytes], by_score: bool) -> Reply:
-    if by_score:
-        bounds = _score_bounds(args[2], args[3])
-    else:
-        ranks = int_arg(args[2]), int_arg(args[3])
-    zset = ks.get_zset(args[1]) or SortedSet()
-    start, stop = zset.score_slice(*bounds) if by_score else zset.rank_slice(*ranks)
-    for _, member in zset.entries[start:stop]:
-        del zset.scores[member]
-    del zset.entries[start:stop]
-    ks.drop_if_empty(args[1])
-    return stop - start
-
-
-command("zremrangebyscore", 4, writes=True)(lambda ks, args: _zremrange(ks, args, True))
-command("zremrangebyrank", 4, writes=True)(lambda ks, args: _zremrange(ks, args, False))
+command("zadd", -4, writes=True)(lambda ks, args: sorted_sets.zadd(ks, args, set()))
+command("zincrby", 4, writes=True)(lambda ks, args: sorted_sets.zadd(ks, args, {b"incr"}))
+command("zrem", -3, writes=True)(sorted_sets.zrem)
+command("zcard", 2)(sorted_sets.zcard)
+command("zcount", 4)(sorted_sets.zcount)
+command("zscore", 3)(sorted_sets.zscore)
+command("zrank", 3)(lambda ks, args: sorted_sets.zrank(ks, args, False))
+command("zrevrank", 3)(lambda ks, args: sorted_sets.zrank(ks, args, True))
+command("zrange", -4)(lambda ks, args: sorted_sets.zrange(ks, args, None, None))
+command("zrevrange", -4)(lambda ks, args: sorted_sets.zrange(ks, args, False, True))
+command("zrangebyscore", -4)(lambda ks, args: sorted_sets.zrange(ks, args, True, False))
+command("zrevrangebyscore", -4)(lambda ks, args: sorted_sets.zrange(ks, args, True, True))
+command("zremrangebyscore", 4, writes=True)(lambda ks, args: sorted_sets.zremrange(ks, args, True))
+command("zremrangebyrank", 4, writes=True)(lambda ks, args: sorted_sets.zremrange(ks, args, False))

@@ -1,0 +1,124 @@
+"""The embedded backend's keyspace: keys, values and deadlines, expired as Redis does.
+
+Values are bytes (strings), dicts (hashes) and ``SortedSet``. Expiry is lazy (a read of a due
+key drops it) plus a bounded sweep of due keys at the start of each script or command. As in
+Redis 7.0, expiry is judged by the time the script started, while TTL arithmetic (PTTL,
+PEXPIRE's base) reads the live clock. The commands that use it live in ``_embedded_commands``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+from aiolimit._embedded_replies import WRONGTYPE, CommandError
+from aiolimit._embedded_sorted_sets import SortedSet
+
+Value = bytes | dict[bytes, bytes] | SortedSet
+
+
+class Keyspace:
+    """Keys, values and deadlines, with Redis' lazy expiry plus a bounded sweep of due keys."""
+
+    def __init__(self, monotonic: Callable[[], float], wall: Callable[[], float]) -> None:
+        self._monotonic = monotonic
+        self._wall = wall
+        self.data: dict[bytes, Value] = {}
+        self.expires: dict[bytes, int] = {}  # key -> deadline on the monotonic clock, in ms
+        self._deadlines: list[tuple[int, bytes]] = []  # a heap; refreshed TTLs leave stale rows
+        # Redis 7.0 judges expiry by the time its script started (frozen_ms), but computes
+        # TTLs from the live clock, read once per command (mono_ms, wall_ms).
+        self.frozen_ms = self.mono_ms = self.wall_ms = 0
+
+    def read_clocks(self) -> None:
+        """Read the live clocks for one command's TTL arithmetic (expiry stays frozen)."""
+        self.mono_ms = round(self._monotonic() * 1000)  # round: 1000.029 s is 1000029 ms
+        self.wall_ms = round(self._wall() * 1000)
+
+    def begin(self) -> None:
+        """Freeze the clock for one script or command, then drop a few keys that are due."""
+        self.read_clocks()
+        self.frozen_ms = self.mono_ms
+        heap = self._deadlines
+        for _ in range(64):
+            if not heap or heap[0][0] >= self.frozen_ms:
+                break
+            deadline, key = heapq.heappop(heap)
+            if self.expires.get(key) == deadline:
+                self.remove(key)
+        if len(heap) > 2 * len(self.expires) + 64:
+            self._deadlines = [(deadline, key) for key, deadline in self.expires.items()]
+            heapq.heapify(self._deadlines)
+
+    def wall_time(self) -> float:
+        return self._wall()
+
+    def get(self, key: bytes) -> Value | None:
+        value = self.data.get(key)
+        if value is not None:
+            deadline = self.expires.get(key)
+            if deadline is not None and self.frozen_ms > deadline:
+                self.remove(key)
+                return None
+        return value
+
+    def _typed(self, key: bytes, kind: type[Value]) -> Any:
+        value = self.get(key)
+        if value is not None and type(value) is not kind:
+            raise CommandError(WRONGTYPE)
+        return value
+
+    def get_string(self, key: bytes) -> bytes | None:
+        value: bytes | None = self._typed(key, bytes)
+        return value
+
+    def get_hash(self, key: bytes, *, create: bool = False) -> dict[bytes, bytes]:
+        """The hash at key; a missing one reads as empty (and is stored when create is set)."""
+        value: dict[bytes, bytes] | None = self._typed(key, dict)
+        if value is None:
+            value = {}
+            if create:
+                self.data[bytes(key)] = value
+        return value
+
+    def get_zset(self, key: bytes) -> SortedSet | None:
+        value: SortedSet | None = self._typed(key, SortedSet)
+        return value
+
+    def type_name(self, key: bytes) -> str:
+        value = self.get(key)
+        names = {bytes: "string", dict: "hash", SortedSet: "zset"}
+        return "none" if value is None else names[type(value)]
+
+    def clear(self) -> None:
+        self.data.clear()
+        self.expires.clear()
+        self._deadlines.clear()
+
+    def remove(self, key: bytes) -> bool:
+        self.expires.pop(key, None)
+        return self.data.pop(key, None) is not None
+
+    def drop_if_empty(self, key: bytes) -> None:
+        """Redis deletes a hash or sorted set when its last element goes."""
+        value = self.data.get(key)
+        if isinstance(value, (dict, SortedSet)) and not (
+            value.scores if isinstance(value, SortedSet) else value
+        ):
+            self.remove(key)
+
+    def pttl(self, key: bytes) -> int:
+        if self.get(key) is None:
+            return -2
+        deadline = self.expires.get(key)
+        return -1 if deadline is None else max(0, deadline - self.mono_ms)
+
+    def deadline_wall(self, key: bytes) -> int | None:
+        deadline = self.expires.get(key)
+        return None if deadline is None else deadline - self.mono_ms + self.wall_ms
+
+    def expire_at_wall(self, key: bytes, when_ms: int) -> None:
+        deadline = when_ms - self.wall_ms + self.mono_ms
+        self.expires[bytes(key)] = deadline
+        heapq.heappush(self._deadlines, (deadline, bytes(key)))
