@@ -1,0 +1,194 @@
+"""The RateLimit response headers and the problem+json bodies, from a limiter's decision.
+
+Headers follow draft-ietf-httpapi-ratelimit-headers-11 (May 2026, the latest draft): one
+``RateLimit-Policy`` item per limit (``"ip-10-per-1s";q=10;w=1``) and one ``RateLimit`` item per
+limit (``"ip-10-per-1s";r=7;t=1``), both Structured Field lists, on every limited response,
+allowed or refused. ``r`` is what is left after this request; ``t`` is, for a refusing limit,
+its retry-after and otherwise its reset-after, in whole seconds rounded up. A 429 also carries
+``Retry-After`` (seconds rounded up, the largest over the refusing limits, so never earlier
+than any refusing item's ``t``) and an RFC 9457 body of the draft's ``quota-exceeded`` problem
+type, naming the violated policies but never the identifiers (they may hold API keys).
+Legacy ``X-RateLimit-Limit/Remaining/Reset`` (Reset in delta seconds) describe the binding
+limit and are off by default.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from aiolimit._decision import Decision, PairDecision
+from aiolimit._errors import WeightNeverFits
+
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
+
+
+def _seconds(value: object) -> float | None:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def quota_and_window(limit: Any) -> tuple[int, int] | None:
+    """(quota, window in whole seconds) of any limit type, or None if it cannot say (cached)."""
+    try:
+        return _described(limit)
+    except TypeError:  # an unhashable limit type
+        return _describe(limit)
+
+
+def _describe(limit: Any) -> tuple[int, int] | None:
+    """How ``quota_and_window`` reads a limit.
+
+    ``Limit`` has ``amount``/``per``. Other algorithms are read by duck typing: a capacity
+    (``amount``, ``capacity``, ``burst``, ``limit``, else ``max_weight``) and a window
+    (``per``, ``period``, ``window``, ``interval``), or ``capacity / rate`` seconds when the
+    limit has a refill ``rate`` per second instead.
+    """
+    quota = None
+    for name in ("amount", "capacity", "burst", "limit", "max_weight"):
+        value = getattr(limit, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            quota = value
+            break
+    if quota is None:
+        return None
+    window = None
+    for name in ("per", "period", "window", "interval"):
+        window = _seconds(getattr(limit, name, None))
+        if window is not None:
+            break
+    if window is None:
+        rate = _seconds(getattr(limit, "rate", None))
+        if rate is None or rate <= 0:
+            return None
+        window = quota / rate
+    if not math.isfinite(window) or window <= 0:
+        return None
+    return quota, max(1, math.ceil(window))
+
+
+_described = functools.lru_cache(maxsize=1024)(_describe)
+
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.*-]")
+
+
+def policy_name(identifier: str, quota: int, window: int) -> str:
+    """``"ip-10-per-1s"``: the identifier's kind and the limit; stable across responses."""
+    kind = identifier.partition(":")[0] if ":" in identifier else "default"
+    return f"{_NAME_UNSAFE.sub('_', kind)[:32]}-{quota}-per-{window}s"
+
+
+def _ceil_seconds(seconds: float) -> int:
+    return max(0, math.ceil(seconds - 1e-9))
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    name: str
+    quota: int
+    window: int
+    pair: PairDecision
+
+
+def _items(decision: Decision, weight: int = 1) -> list[_Item]:
+    """One item per policy name: the tightest pair when two identifiers share a name.
+
+    A pair's ``remaining`` is what would be left after this request; when the decision was
+    refused nothing was charged, so a pair that had room still has ``weight`` more available.
+    """
+    chosen: dict[str, _Item] = {}
+    for pair in decision.details:
+        described = quota_and_window(pair.limit)
+        if described is None:
+            continue
+        if not decision.allowed and pair.allowed:
+            pair = pair._replace(remaining=pair.remaining + weight)
+        name = policy_name(pair.identifier, *described)
+        current = chosen.get(name)
+        if current is None or (pair.allowed, pair.remaining) < (
+            current.pair.allowed,
+            current.pair.remaining,
+        ):
+            chosen[name] = _Item(name, *described, pair)
+    return list(chosen.values())
+
+
+def retry_after_seconds(decision: Decision) -> int:
+    """Whole seconds, rounded up, the largest over the refusing pairs; at least 1."""
+    return max(1, math.ceil(decision.retry_after - 1e-9))
+
+
+def rate_limit_headers(
+    decision: Decision, *, weight: int = 1, legacy: bool = False
+) -> list[tuple[str, str]]:
+    """The headers for any response this decision covers (none for a degraded one)."""
+    if decision.degraded or not decision.details:
+        return []
+    items = _items(decision, weight)
+    headers: list[tuple[str, str]] = []
+    if items:
+        policies = ", ".join(f'"{i.name}";q={i.quota};w={i.window}' for i in items)
+        limits = ", ".join(
+            f'"{i.name}";r={max(0, i.pair.remaining)};t={_effective_window(i.pair)}' for i in items
+        )
+        headers += [("RateLimit-Policy", policies), ("RateLimit", limits)]
+    if legacy and decision.limit is not None:
+        described = quota_and_window(decision.limit)
+        binding = next((p for p in decision.details if p.identifier == decision.identifier), None)
+        if described is not None and binding is not None:
+            headers += [
+                ("X-RateLimit-Limit", str(described[0])),
+                ("X-RateLimit-Remaining", str(max(0, decision.remaining))),
+                ("X-RateLimit-Reset", str(_effective_window(binding))),
+            ]
+    if not decision.allowed:
+        headers.append(("Retry-After", str(retry_after_seconds(decision))))
+    return headers
+
+
+def _effective_window(pair: PairDecision) -> int:
+    return _ceil_seconds(pair.reset_after if pair.allowed else pair.retry_after)
+
+
+def problem_body(decision: Decision) -> tuple[int, bytes]:
+    """(status, RFC 9457 body) for a refused decision: 429, or 503 when degraded."""
+    if decision.degraded:
+        status = 503
+        problem: dict[str, Any] = {
+            "type": REDUCED_CAPACITY,
+            "title": "Request cannot be satisfied due to temporary server capacity constraints",
+            "status": status,
+            "detail": "The rate limiter's store is unavailable; try again later.",
+        }
+    else:
+        status = 429
+        violated = [i.name for i in _items(decision) if not i.pair.allowed]
+        problem = {
+            "type": QUOTA_EXCEEDED,
+            "title": "Request cannot be satisfied as assigned quota has been exceeded",
+            "status": status,
+            "detail": f"Rate limit exceeded; retry after {retry_after_seconds(decision)} s.",
+            "violated-policies": violated,
+        }
+    return status, json.dumps(problem, separators=(",", ":")).encode()
+
+
+def never_fits_body(error: WeightNeverFits) -> tuple[int, bytes]:
+    """A request heavier than a limit: 429 without Retry-After (waiting cannot help)."""
+    problem = {
+        "type": QUOTA_EXCEEDED,
+        "title": "Request cannot be satisfied as assigned quota has been exceeded",
+        "status": 429,
+        "detail": "This request costs more than the quota allows; it can never be admitted.",
+    }
+    return 429, json.dumps(problem, separators=(",", ":")).encode()
