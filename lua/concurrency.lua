@@ -6,70 +6,75 @@
 -- expires; live holders renew ("renew" mode) and release ("release" mode) by op id.
 -- retry_after is when enough leases expire at the latest (holders usually release sooner).
 
-local function lease_live(pair, now)
-  return redis.call('ZCOUNT', pair.aux, '(' .. fmt(now), '+inf')
-end
+-- Built on first use in a call (see prelude.lua's algorithm()).
+FACTORIES.lease = function()
+  local function lease_live(pair, now)
+    return redis.call('ZCOUNT', pair.aux, '(' .. fmt(now), '+inf')
+  end
 
-local function lease_members(op, weight)
-  local members = {}
-  for i = 1, weight do members[i] = op .. ':' .. fmt(i) end
-  return members
-end
+  local function lease_members(op, weight)
+    local members = {}
+    for i = 1, weight do members[i] = op .. ':' .. fmt(i) end
+    return members
+  end
 
-ALGORITHMS.lease = {
-  check = function(s, pair, now, weight)
-    local count = lease_live(pair, now)
-    local reset = 0
-    if count > 0 then
-      local newest = redis.call('ZRANGE', pair.aux, -1, -1, 'WITHSCORES')
-      reset = tonumber(newest[2]) - now
-    end
-    if count + weight <= pair.amount then
-      if weight > 0 and reset < pair.period then reset = pair.period end
-      return true, pair.amount - count - weight, 0, reset
-    end
-    local hit = redis.call('ZRANGEBYSCORE', pair.aux, '(' .. fmt(now), '+inf', 'WITHSCORES',
-                           'LIMIT', count + weight - pair.amount - 1, 1)
-    return false, pair.amount - count, tonumber(hit[2]) - now, reset
-  end,
+  local leases = {
+    check = function(s, pair, now, weight)
+      local count = lease_live(pair, now)
+      local reset = 0
+      if count > 0 then
+        local newest = redis.call('ZRANGE', pair.aux, -1, -1, 'WITHSCORES')
+        reset = tonumber(newest[2]) - now
+      end
+      if count + weight <= pair.amount then
+        if weight > 0 and reset < pair.period then reset = pair.period end
+        return true, pair.amount - count - weight, 0, reset
+      end
+      local hit = redis.call('ZRANGEBYSCORE', pair.aux, '(' .. fmt(now), '+inf', 'WITHSCORES',
+                             'LIMIT', count + weight - pair.amount - 1, 1)
+      return false, pair.amount - count, tonumber(hit[2]) - now, reset
+    end,
 
-  charge = function(s, pair, now, weight, op)
-    if op == '' then error('aiolimit: a lease needs an op id') end
-    redis.call('ZREMRANGEBYSCORE', pair.aux, '-inf', fmt(now))
-    local expires = now + pair.period
-    local args = {}
-    for _, member in ipairs(lease_members(op, weight)) do
-      args[#args + 1] = expires
-      args[#args + 1] = member
-    end
-    redis.call('ZADD', pair.aux, unpack(args))
-    want_ttl(s, math.ceil(pair.period / 1000) + 1)
-    local ttl = redis.call('PTTL', pair.aux)
-    local want = math.ceil(pair.period / 1000) + 1 + tonumber(ARGV[4])
-    if ttl < want then redis.call('PEXPIRE', pair.aux, want) end
-  end,
+    charge = function(s, pair, now, weight, op)
+      if op == '' then error('aiolimit: a lease needs an op id') end
+      redis.call('ZREMRANGEBYSCORE', pair.aux, '-inf', fmt(now))
+      local expires = now + pair.period
+      local args = {}
+      for _, member in ipairs(lease_members(op, weight)) do
+        args[#args + 1] = expires
+        args[#args + 1] = member
+      end
+      redis.call('ZADD', pair.aux, unpack(args))
+      want_ttl(s, math.ceil(pair.period / 1000) + 1)
+      local ttl = redis.call('PTTL', pair.aux)
+      local want = math.ceil(pair.period / 1000) + 1 + tonumber(ARGV[4])
+      if ttl < want then redis.call('PEXPIRE', pair.aux, want) end
+    end,
 
-  -- A plain refund cannot tell whose lease to drop: only undo and release remove leases.
-  refund = function(s, pair, now, weight, at, op)
-    if op ~= '' and at then
+    -- A plain refund cannot tell whose lease to drop: only undo and release remove leases.
+    refund = function(s, pair, now, weight, at, op)
+      if op ~= '' and at then
+        redis.call('ZREM', pair.aux, unpack(lease_members(op, weight)))
+      end
+    end,
+
+    release = function(s, pair, now, weight, op)
       redis.call('ZREM', pair.aux, unpack(lease_members(op, weight)))
-    end
-  end,
+    end,
 
-  release = function(s, pair, now, weight, op)
-    redis.call('ZREM', pair.aux, unpack(lease_members(op, weight)))
-  end,
+    renew = function(s, pair, now, weight, op)
+      local expires = now + pair.period
+      local args = {'XX'}
+      for _, member in ipairs(lease_members(op, weight)) do
+        args[#args + 1] = expires
+        args[#args + 1] = member
+      end
+      redis.call('ZADD', pair.aux, unpack(args))
+      local want = math.ceil(pair.period / 1000) + 1 + tonumber(ARGV[4])
+      if redis.call('PTTL', pair.aux) < want then redis.call('PEXPIRE', pair.aux, want) end
+      want_ttl(s, math.ceil(pair.period / 1000) + 1)
+    end,
+  }
 
-  renew = function(s, pair, now, weight, op)
-    local expires = now + pair.period
-    local args = {'XX'}
-    for _, member in ipairs(lease_members(op, weight)) do
-      args[#args + 1] = expires
-      args[#args + 1] = member
-    end
-    redis.call('ZADD', pair.aux, unpack(args))
-    local want = math.ceil(pair.period / 1000) + 1 + tonumber(ARGV[4])
-    if redis.call('PTTL', pair.aux) < want then redis.call('PEXPIRE', pair.aux, want) end
-    want_ttl(s, math.ceil(pair.period / 1000) + 1)
-  end,
-}
+  return leases
+end

@@ -1,7 +1,7 @@
 -- aiolimit: prelude (shared by every algorithm; concatenated first by the script loader)
 --
 -- Not a script on its own. The loader (aiolimit/_scripts.py) builds ONE script from
---   prelude.lua, then every algorithm file (each adds an entry to ALGORITHMS), then decide.lua
+--   prelude.lua, then every algorithm file (each adds a factory to FACTORIES), then decide.lua
 -- so that a decision over any mix of algorithms is one atomic call.
 --
 -- Per-identifier state lives in one HASH, the identifier's "main key" (<prefix>:{<id>}):
@@ -11,7 +11,19 @@
 -- Times are integers in microseconds; they are never formatted with tostring (Lua 5.1 would
 -- print 1.7e+15), always with string.format('%d').
 
-local ALGORITHMS = {}
+local ALGORITHMS = {}  -- code -> {check, charge, refund[, release, renew]}
+local FACTORIES = {}  -- code -> function building that table
+
+-- Each algorithm file registers a factory; a call builds only the algorithms it uses, so
+-- the script's fixed cost does not grow with every algorithm it knows.
+local function algorithm(code)
+  local algo = ALGORITHMS[code]
+  if not algo and FACTORIES[code] then
+    algo = FACTORIES[code]()
+    ALGORITHMS[code] = algo
+  end
+  return algo
+end
 local OP_RETENTION_MS = 120000  -- op records outlive any retry of the op that wrote them
 local TTL_STEP_MS = 1000  -- TTLs are set this much longer than needed, and so set less often
 
