@@ -8,12 +8,14 @@ retries instead (``_retry.py``), with backoff, within the decision's deadline. T
 because ``retries_calls`` is true: the protocol gives every charging call an operation id and
 the script applies an op once, so a call resent after a lost reply never charges twice.
 
-``run_many`` (and ``run``, a batch of one) groups calls by the node that owns their slot in the
-client's slot cache and sends one pipeline per node, all nodes concurrently. A command that
-comes back NOSCRIPT (after SCRIPT FLUSH, a restart or a failover: a promoted replica has no
-scripts) is sent again as EVAL, which also caches the script on that node; redirections
-(MOVED, ASK, TRYAGAIN) are resent at once through the cluster client, which follows them and
-updates its slot cache; other retryable errors are resent after a backoff.
+The calls of every decision made in the same event-loop tick (``run_many``, and ``run``, a batch
+of one) leave together (``_cluster_batch.py``): grouped by the node that owns their slot in the
+client's slot cache, one pipeline per node, all nodes concurrently. Each call keeps its own
+deadline and its own retries; an error on one command of a pipeline concerns that call only.
+A command that comes back NOSCRIPT (after SCRIPT FLUSH, a restart or a failover: a promoted
+replica has no scripts) is sent again as EVAL, which also caches the script on that node;
+redirections (MOVED, ASK, TRYAGAIN) are resent at once through the cluster client, which
+follows them and updates its slot cache; other retryable errors are resent after a backoff.
 
 Every attempt runs under the decision's deadline (less a small margin, so that a commit that
 cannot finish fails with ``BackendUnavailable`` and is compensated, rather than being cancelled
@@ -32,13 +34,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
-from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import AskError, NoScriptError, TryAgainError
 
 from aiolimit._clock import Clock, ServerClock
+from aiolimit._cluster_batch import TickBatcher, loop_time
 from aiolimit._errors import ConfigurationError
 from aiolimit._retry import (
     RetryStatistics,
@@ -146,6 +149,7 @@ class ClusterStore(Store):
         self._retry = RetryStatistics()
         self._compensating: set[asyncio.Future[list[Reply | BaseException]]] = set()
         self._stats = ClusterStoreStatistics()
+        self._batcher = TickBatcher(client, self._script.sha)
 
     @classmethod
     def from_url(
@@ -157,7 +161,7 @@ class ClusterStore(Store):
     def statistics(self) -> ClusterStoreStatistics:
         stats = self._stats
         stats.retries, stats.gave_up = self._retry.retries, self._retry.gave_up
-        return replace(stats)
+        return replace(stats, round_trips=stats.round_trips + self._batcher.round_trips)
 
     def slot(self, key: str) -> int:
         return _slot(key)
@@ -226,7 +230,7 @@ class ClusterStore(Store):
     ) -> list[Reply | BaseException]:
         self._stats.calls += len(calls)
         deadlines = [self._deadline_for(args) for _, args in calls]
-        results = await self._pipelined(calls, max(deadlines))
+        results = await self._first_attempt(calls, deadlines)
 
         async def finish(index: int) -> None:
             keys, args = calls[index]
@@ -269,55 +273,38 @@ class ClusterStore(Store):
                 results[index] = _translated(result, self.address)
         return results
 
-    async def _pipelined(
-        self, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]], deadline: float
+    async def _first_attempt(
+        self, calls: Sequence[tuple[Sequence[str], Sequence[Arg]]], deadlines: list[float]
     ) -> list[Reply | BaseException]:
-        """One attempt: a pipeline per node, nodes concurrently; each result or its error."""
-        results: list[Reply | BaseException] = [
-            TimeoutError("not sent before the deadline") for _ in calls
-        ]
-        client = self.client
+        """One attempt through the tick's pipelines; each reply or its error.
+
+        Only the wait is bounded here: a call whose deadline passes gets a TimeoutError (its
+        retry path then gives up with BackendUnavailable), and its pipeline goes on for the
+        other calls in it.
+        """
+        results: list[Reply | BaseException] = []
+        futures: list[asyncio.Future[Reply | BaseException]] = []
         try:
-            async with asyncio.timeout_at(_loop_time(deadline)):
-                await client.initialize()
-                by_node: dict[str, tuple[ClusterNode, list[PipelineCommand]]] = {}
-                sha = self._script.sha
-                for index, (keys, args) in enumerate(calls):
-                    node = client.get_node_from_key(keys[0])
-                    if node is None:  # pragma: no cover - only with replica=True
-                        raise ConfigurationError(f"no node serves {keys[0]!r}")
-                    command = PipelineCommand(index, "EVALSHA", sha, len(keys), *keys, *args)
-                    by_node.setdefault(node.name, (node, []))[1].append(command)
-
-                async def send(node: ClusterNode, commands: list[PipelineCommand]) -> None:
-                    self._stats.round_trips += 1
-                    try:
-                        await node.execute_pipeline(commands)
-                    except Exception as exc:
-                        for command in commands:
-                            if command.result is None:
-                                command.result = exc
-                    for command in commands:
-                        results[command.position] = command.result
-
-                if len(by_node) == 1:
-                    ((node, commands),) = by_node.values()
-                    await send(node, commands)
+            async with asyncio.timeout_at(loop_time(max(deadlines))):
+                submit = self._batcher.submit
+                futures = [
+                    submit(keys, args, deadline)
+                    for (keys, args), deadline in zip(calls, deadlines, strict=True)
+                ]
+                for future in futures:
+                    results.append(await future)
+        except TimeoutError as exc:  # the deadline: calls not answered in time
+            for future in futures[len(results) :]:
+                if future.done() and not future.cancelled():
+                    results.append(future.result())
                 else:
-                    (first, *others) = by_node.values()
-                    tasks = [asyncio.create_task(send(*item)) for item in others]
-                    try:
-                        await send(*first)
-                        await asyncio.gather(*tasks)
-                    except BaseException:  # cancelled (the deadline): stop the other nodes too
-                        for task in tasks:
-                            task.cancel()
-                        await asyncio.gather(*tasks, return_exceptions=True)
-                        raise
-        except Exception as exc:
-            for index, result in enumerate(results):
-                if not isinstance(result, list):
-                    results[index] = exc
+                    future.cancel()  # unanswered; if it is still queued, it is dropped
+                    results.append(exc)
+            results += [exc] * (len(calls) - len(results))
+        except BaseException:  # cancelled: nobody waits for these any more
+            for future in futures:
+                future.cancel()
+            raise
         return results
 
     # --- the rest ---------------------------------------------------------------------------
@@ -340,16 +327,12 @@ class ClusterStore(Store):
         if self._compensating:
             # Let compensation started by cancelled decisions finish (each has its budget).
             await asyncio.wait(list(self._compensating), timeout=self.deadline)
+        await self._batcher.aclose()
         if self._owns:
             await close_client(self.client)
 
     def describe(self) -> dict[str, Any]:
         return {"address": self.address, "deadline": self.deadline}
-
-
-def _loop_time(deadline: float) -> float:
-    """A ``time.monotonic()`` deadline on the running loop's clock (asyncio.timeout_at)."""
-    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
 
 def _is_undo(args: Sequence[object]) -> bool:

@@ -1,11 +1,13 @@
 """The cluster store on the real local 3+3 cluster: routing, all or nothing across primaries,
-pipelines per node, NOSCRIPT, and typed errors for bad or broken clusters.
+pipelines per node (shared by concurrent decisions), NOSCRIPT, and typed errors for bad or
+broken clusters.
 
 Stored state is read back raw (HGETALL of each identifier's main key) and compared exactly.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -153,6 +155,77 @@ async def test_calls_for_one_node_share_a_pipeline(
     assert after.round_trips - before.round_trips == 6  # one pipeline per node per phase
 
 
+def two_per_primary(nodes: cluster.Cluster, prefix: str, start: int = 0) -> list[str]:
+    """Six identifiers in six distinct slots, two on each primary."""
+    ids: list[str] = []
+    per_node: dict[int, int] = {}
+    slots: set[int] = set()
+    for i in range(start, start + 10_000):
+        ident = f"user:{i}"
+        slot = key_slot(main_key(prefix, ident).encode())
+        (port,) = owners(nodes, prefix, [ident])
+        if per_node.get(port, 0) < 2 and slot not in slots:
+            per_node[port] = per_node.get(port, 0) + 1
+            slots.add(slot)
+            ids.append(ident)
+        if len(ids) == 6:
+            return ids
+    raise AssertionError("could not spread identifiers over the primaries")
+
+
+async def test_concurrent_decisions_share_pipelines_and_admit_exactly(
+    limiter: Limiter, raw: RedisCluster, local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """200 concurrent decisions on six slots make far fewer round trips than decisions;
+    admitted == capacity, and stored == admitted for every identifier and limit."""
+    singles = two_per_primary(local_cluster, prefix)[:4]
+    pair = on_distinct_primaries(local_cluster, prefix, 2)  # two phases, cross-slot
+    requests = [[singles[i % 4]] for i in range(150)] + [pair for _ in range(50)]
+    store = limiter.store
+    assert isinstance(store, ClusterStore)
+    before = store.statistics()
+    decisions = await asyncio.gather(*(limiter.try_acquire(ids, 1) for ids in requests))
+    after = store.statistics()
+    admitted = {ident: 0 for ident in [*singles, *pair]}
+    for ids, decision in zip(requests, decisions, strict=True):
+        if decision.allowed:
+            for ident in ids:
+                admitted[ident] += 1
+    capacity = LIMITS[0].amount
+    assert [admitted[ident] for ident in singles] == [capacity] * 4
+    assert 0 < admitted[pair[0]] == admitted[pair[1]] <= capacity  # races may undo a winner
+    stored = await snapshot(raw, prefix, [*singles, *pair])
+    for ident, fields in stored.items():
+        assert [charged(fields, limit) for limit in LIMITS] == [admitted[ident]] * 2, ident
+    assert after.calls - before.calls >= 150 + 2 * 50  # a call per slot per phase
+    assert after.round_trips - before.round_trips <= len(requests) // 10
+    assert after.retries == before.retries and after.gave_up == before.gave_up
+
+
+async def test_lost_script_on_one_primary_resends_only_its_calls(
+    limiter: Limiter, raw: RedisCluster, local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """SCRIPT FLUSH on one primary: in a tick shared by every primary, only the calls routed
+    to that primary are resent (as EVAL); each decision is admitted and charged once."""
+    ids = two_per_primary(local_cluster, prefix)
+    victim = local_cluster.node_for_slot(key_slot(main_key(prefix, ids[0]).encode()))
+    on_victim = [ident for ident in ids if owners(local_cluster, prefix, [ident])[0] == victim.port]
+    assert len(on_victim) == 2
+    store = limiter.store
+    assert isinstance(store, ClusterStore)
+    warm = await asyncio.gather(*(limiter.try_acquire(i, 1) for i in ids))
+    assert all(decision.allowed for decision in warm)
+    victim.client.script_flush()
+    before = store.statistics()
+    decisions = await asyncio.gather(*(limiter.try_acquire(i, 1) for i in ids))
+    after = store.statistics()
+    assert all(decision.allowed for decision in decisions)
+    assert after.noscript - before.noscript == len(on_victim)
+    assert after.retries == before.retries
+    for fields in (await snapshot(raw, prefix, ids)).values():
+        assert [charged(fields, limit) for limit in LIMITS] == [2, 2]
+
+
 async def test_a_client_passed_in_is_used_and_left_open(
     redis_cluster_seed_url: str, prefix: str
 ) -> None:
@@ -259,3 +332,39 @@ async def test_partially_down_cluster_gives_typed_errors_within_the_deadline(
         with pytest.raises(BackendUnavailable):
             await limiter.try_acquire(ids, 1)
         assert time.monotonic() - started < 1.3
+
+
+@pytest.mark.slow
+async def test_a_paused_primary_fails_only_its_calls_in_a_shared_tick(
+    fresh_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """Decisions on every primary in one tick, one primary paused: its calls fail with
+    BackendUnavailable at their deadline, the others are answered at once."""
+    nodes = fresh_cluster
+    ids = on_distinct_primaries(nodes, prefix, 3)
+    victim = nodes.primaries()[0]
+    stuck = ids[owners(nodes, prefix, ids).index(victim.port)]
+    deadline = 0.8
+    async with Limiter(nodes.url, LIMITS, prefix=prefix, deadline=deadline) as limiter:
+        warm = await asyncio.gather(*(limiter.try_acquire(i, 1) for i in ids))
+        assert all(decision.allowed for decision in warm)
+        answered: dict[str, float] = {}
+
+        async def decide(ident: str) -> object:
+            try:
+                return await limiter.try_acquire(ident, 1)
+            except BackendUnavailable as exc:
+                return exc
+            finally:
+                answered[ident] = time.monotonic() - started
+
+        victim.pause()
+        try:
+            started = time.monotonic()
+            results = dict(zip(ids, await asyncio.gather(*map(decide, ids)), strict=True))
+        finally:
+            victim.resume()
+    assert isinstance(results.pop(stuck), BackendUnavailable)
+    assert deadline - 0.2 < answered.pop(stuck) < deadline + 0.3
+    assert all(getattr(decision, "allowed", False) for decision in results.values()), results
+    assert max(answered.values()) < deadline / 2
