@@ -74,7 +74,7 @@ class TickBatcher:
 
     def _flush(self) -> None:
         queue, self._queue = self._queue, []
-        calls = [call for call in queue if not call.future.done()]  # others' callers gave up
+        calls = [call for call in queue if not call.future.done()]  # (done: its caller gave up)
         if calls:
             self._spawn(self._send_tick(calls))
 
