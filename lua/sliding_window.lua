@@ -6,12 +6,13 @@
 -- The window is the last n = ceil(P / p) buckets of width p, aligned to the epoch, the current
 -- one included. With p == P that is a calendar-aligned fixed window. A non-dividing p makes the
 -- window slightly longer than P, never shorter: it errs on the side of refusing.
--- Storage: ONE main HASH field per limit, "w<P>/<p>" (fixed window: "f<P>/<P>"), holding the
--- non-empty buckets of the window as "<base index>;<offset>:<weight>,<offset>:<weight>..."
--- with offsets from the base, ascending. One field per limit keeps HGETALL, parsing and memory
--- proportional to the limits, not to their buckets, and the order makes a sort unnecessary.
--- Buckets that left the window are dropped on every write; the key's TTL covers the newest
--- bucket's life. Bucket indexes and weights stay far below 1e14, so Lua prints them exactly.
+-- Storage: ONE main HASH field per limit, "w<P>/<p>" (fixed window: "f<P>/<P>"), holding
+-- "<base index>;<total weight>;<offset>:<weight>,<offset>:<weight>..." for the non-empty
+-- buckets, offsets from the base, ascending. A call usually reads only the total and the
+-- buckets that just left the window, and charges by rewriting the last entry or appending
+-- one; the whole field is rebuilt only when buckets leave the window, on refusals and on
+-- refunds. Cost and memory follow the limits, not their buckets. The key's TTL covers the
+-- newest bucket's life. Indexes and weights stay far below 1e14, so Lua prints them exactly.
 
 -- Built on first use in a call (see prelude.lua's algorithm()).
 FACTORIES.sw = function()
@@ -19,9 +20,9 @@ FACTORIES.sw = function()
     return (pair.code == 'fw' and 'f' or 'w') .. pair.period_s .. '/' .. pair.param_s
   end
 
-  -- The limit's buckets as two ascending arrays {i = indexes, c = weights}, parsed once per call
-  -- and shared by the pairs of that limit.
-  local function sw_buckets(s, pair)
+  -- The limit's stored field, split into base, total and entries; entries are parsed only as
+  -- far as a call needs them. Cached per call, shared by the pairs of that limit.
+  local function sw_state(s, pair)
     local name = sw_name(pair)
     local cache = s.sw
     if not cache then
@@ -30,24 +31,17 @@ FACTORIES.sw = function()
     end
     local b = cache[name]
     if not b then
-      local i, c = {}, {}
+      b = {name = name, total = 0}
       local raw = s.fields[name]
       if raw then
-        local base, rest = string.match(raw, '^(%d+);(.*)$')
-        base = tonumber(base)
+        local base, total, rest = string.match(raw, '^(%d+);(%d+);(.+)$')
         if base then
-          local k = 0
-          for offset, weight in string.gmatch(rest, '(%d+):(%d+)') do
-            k = k + 1
-            i[k] = base + tonumber(offset)
-            c[k] = tonumber(weight)
-          end
+          b.base, b.total, b.rest = tonumber(base), tonumber(total), rest
         end
       end
-      b = {i = i, c = c}
       cache[name] = b
     end
-    return name, b
+    return b
   end
 
   local function sw_geometry(pair, now)
@@ -56,107 +50,135 @@ FACTORIES.sw = function()
     return p, n, math.floor(now / p)
   end
 
-  -- Positions of the first and last non-empty buckets inside the window (nil if none), and
-  -- the weight they hold.
-  local function sw_span(b, cur, n)
-    local i, c = b.i, b.c
-    local first, last, count = nil, nil, 0
-    for k = 1, #i do
-      local idx = i[k]
-      if idx > cur - n and idx <= cur and c[k] > 0 then
-        if not first then first = k end
-        last = k
-        count = count + c[k]
+  -- Weight in the buckets at the front that left the window (index <= lo), and how many.
+  local function sw_expired(b, lo)
+    local sum, count = 0, 0
+    if b.rest and b.base <= lo then
+      for offset, weight in string.gmatch(b.rest, '(%d+):(%d+)') do
+        if b.base + tonumber(offset) > lo then break end
+        sum = sum + tonumber(weight)
+        count = count + 1
       end
     end
-    return first, last, count
+    return sum, count
   end
 
-  -- Writes the window's buckets back (dropping those that left it), or the field away.
-  local function sw_store(s, name, b, cur, n)
-    local i, c = b.i, b.c
-    local parts, base = {}, nil
+  -- Every bucket as two ascending arrays (the slow path: refusals, refunds, window moves).
+  local function sw_parse(b)
+    local i, c = {}, {}
+    if b.rest then
+      for offset, weight in string.gmatch(b.rest, '(%d+):(%d+)') do
+        i[#i + 1] = b.base + tonumber(offset)
+        c[#c + 1] = tonumber(weight)
+      end
+    end
+    return i, c
+  end
+
+  -- The newest stored bucket's index, or nil.
+  local function sw_newest(b)
+    if not b.rest then return nil end
+    return b.base + tonumber(string.match(b.rest, '(%d+):%d+$'))
+  end
+
+  -- Rewrites the field from arrays, keeping only the non-empty buckets inside the window.
+  local function sw_rebuild(s, b, i, c, cur, n)
+    local parts, base, total = {}, nil, 0
     for k = 1, #i do
-      local idx = i[k]
-      if idx > cur - n and idx <= cur and c[k] > 0 then
-        if not base then base = idx end
-        parts[#parts + 1] = (idx - base) .. ':' .. c[k]
+      if i[k] > cur - n and i[k] <= cur and c[k] > 0 then
+        if not base then base = i[k] end
+        parts[#parts + 1] = (i[k] - base) .. ':' .. c[k]
+        total = total + c[k]
       end
     end
     if base then
-      stage_set(s, name, base .. ';' .. table.concat(parts, ','))
+      b.base, b.total, b.rest = base, total, table.concat(parts, ',')
+      stage_set(s, b.name, base .. ';' .. total .. ';' .. b.rest)
     else
-      stage_del(s, name)
+      b.base, b.total, b.rest = nil, 0, nil
+      stage_del(s, b.name)
     end
   end
 
-  local sliding_window = {
+  return {
     check = function(s, pair, now, weight)
-      local _, b = sw_buckets(s, pair)
+      local b = sw_state(s, pair)
       local p, n, cur = sw_geometry(pair, now)
-      local first, last, count = sw_span(b, cur, n)
+      local count = b.total - sw_expired(b, cur - n)
       if count + weight <= pair.amount then
         -- After a charge the current bucket is the newest; with weight 0 (the state after a
         -- refund) it is the newest non-empty one, and an empty window is full already.
         local reset = 0
         if weight > 0 then
           reset = (cur + n) * p - now
-        elseif last then
-          reset = (b.i[last] + n) * p - now
+        elseif count > 0 then
+          reset = (sw_newest(b) + n) * p - now
         end
         return true, pair.amount - count - weight, 0, reset
       end
+      -- Refused: wait until enough of the oldest buckets leave the window.
+      local i, c = sw_parse(b)
       local retry, freed = 0, 0
-      for k = first, last do
-        if b.i[k] > cur - n and b.c[k] > 0 then
-          freed = freed + b.c[k]
+      for k = 1, #i do
+        if i[k] > cur - n then
+          freed = freed + c[k]
           if count - freed + weight <= pair.amount then
-            retry = (b.i[k] + n) * p - now
+            retry = (i[k] + n) * p - now
             break
           end
         end
       end
       local remaining = pair.amount - count
       if remaining < 0 then remaining = 0 end
-      return false, remaining, retry, (b.i[last] + n) * p - now
+      return false, remaining, retry, (sw_newest(b) + n) * p - now
     end,
 
     charge = function(s, pair, now, weight)
-      local name, b = sw_buckets(s, pair)
+      local b = sw_state(s, pair)
       local p, n, cur = sw_geometry(pair, now)
-      local k = #b.i
-      if k > 0 and b.i[k] == cur then
-        b.c[k] = b.c[k] + weight
+      local _, expired = sw_expired(b, cur - n)
+      if expired > 0 then
+        local i, c = sw_parse(b)
+        if i[#i] == cur then c[#c] = c[#c] + weight else i[#i + 1] = cur; c[#c + 1] = weight end
+        sw_rebuild(s, b, i, c, cur, n)
       else
-        b.i[k + 1] = cur
-        b.c[k + 1] = weight
+        -- The common case, in O(1) string work: add to the newest bucket or append one.
+        if not b.rest then
+          b.base, b.rest = cur, '0:' .. weight
+        else
+          local offset, last = string.match(b.rest, '(%d+):(%d+)$')
+          if b.base + tonumber(offset) == cur then
+            b.rest = string.sub(b.rest, 1, #b.rest - #last) .. (tonumber(last) + weight)
+          else
+            b.rest = b.rest .. ',' .. (cur - b.base) .. ':' .. weight
+          end
+        end
+        b.total = b.total + weight
+        stage_set(s, b.name, b.base .. ';' .. b.total .. ';' .. b.rest)
       end
-      sw_store(s, name, b, cur, n)
       want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
     end,
 
-    -- Gives `weight` back. With `at` (the time of the charge being undone) only that bucket is
-    -- credited; without it the newest buckets are credited first. Never below zero.
+    -- Gives `weight` back. With `at` (the time of the charge being undone) only that bucket
+    -- is credited; without it the newest buckets are credited first. Never below zero.
     refund = function(s, pair, now, weight, at)
-      local name, b = sw_buckets(s, pair)
+      local b = sw_state(s, pair)
       local p, n, cur = sw_geometry(pair, now)
+      local i, c = sw_parse(b)
       local only = at and math.floor(at / p)
       local left = weight
-      for k = #b.i, 1, -1 do
-        local idx = b.i[k]
-        if left > 0 and idx > cur - n and idx <= cur and (not only or idx == only) then
-          local take = math.min(b.c[k], left)
+      for k = #i, 1, -1 do
+        if left > 0 and i[k] > cur - n and i[k] <= cur and (not only or i[k] == only) then
+          local take = math.min(c[k], left)
           left = left - take
-          b.c[k] = b.c[k] - take
+          c[k] = c[k] - take
         end
       end
       if left < weight then
-        sw_store(s, name, b, cur, n)
+        sw_rebuild(s, b, i, c, cur, n)
         want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
       end
     end,
   }
-
-  return sliding_window
 end
 FACTORIES.fw = FACTORIES.sw
