@@ -174,7 +174,7 @@ async def judge(
     except WeightNeverFits as exc:
         status, body = never_fits_body(exc)
         return Verdict(rule.limiter, ids, weight, None, [], status, body)
-    headers = rate_limit_headers(decision, weight=weight, legacy=legacy)
+    headers = rate_limit_headers(decision, legacy=legacy)
     if decision.allowed:
         return Verdict(rule.limiter, ids, weight, decision, headers)
     status, body = problem_body(decision)

@@ -100,19 +100,17 @@ class _Item:
     pair: PairDecision
 
 
-def _items(decision: Decision, weight: int = 1) -> list[_Item]:
+def _items(decision: Decision) -> list[_Item]:
     """One item per policy name: the tightest pair when two identifiers share a name.
 
-    A pair's ``remaining`` is what would be left after this request; when the decision was
-    refused nothing was charged, so a pair that had room still has ``weight`` more available.
+    A pair's ``remaining`` is what is left after this request: after its charge when the
+    decision was allowed, and as it stands when refused (nothing was charged).
     """
     chosen: dict[str, _Item] = {}
     for pair in decision.details:
         described = quota_and_window(pair.limit)
         if described is None:
             continue
-        if not decision.allowed and pair.allowed:
-            pair = pair._replace(remaining=pair.remaining + weight)
         name = policy_name(pair.identifier, *described)
         current = chosen.get(name)
         if current is None or (pair.allowed, pair.remaining) < (
@@ -128,13 +126,11 @@ def retry_after_seconds(decision: Decision) -> int:
     return max(1, math.ceil(decision.retry_after - 1e-9))
 
 
-def rate_limit_headers(
-    decision: Decision, *, weight: int = 1, legacy: bool = False
-) -> list[tuple[str, str]]:
+def rate_limit_headers(decision: Decision, *, legacy: bool = False) -> list[tuple[str, str]]:
     """The headers for any response this decision covers (none for a degraded one)."""
     if decision.degraded or not decision.details:
         return []
-    items = _items(decision, weight)
+    items = _items(decision)
     headers: list[tuple[str, str]] = []
     if items:
         policies = ", ".join(f'"{i.name}";q={i.quota};w={i.window}' for i in items)

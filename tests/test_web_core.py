@@ -144,7 +144,8 @@ def test_refused_headers_retry_after_is_the_largest_rounded_up() -> None:
         (
             pair("ip:203.0.113.7", TEN_PER_SECOND, False, 0, 0.2, 0.9),
             pair("user:42", HUNDRED_PER_MINUTE, False, 0, 12.01, 40.0),
-            pair("api:k", Limit(1000, per=3600), True, 999, 0.0, 3000.0),
+            # A refusal charges nothing: a pair with room reports its quota as it stands.
+            pair("api:k", Limit(1000, per=3600), True, 1000, 0.0, 3000.0),
         )
     )
     headers = dict(rate_limit_headers(decision, legacy=True))
