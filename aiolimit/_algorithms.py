@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from aiolimit._errors import ConfigurationError
-from aiolimit._limits import _check_amount, _check_seconds, _seconds_text, _us
+from aiolimit._limits import WireLimit, _check_amount, _check_seconds, _seconds_text, _us
 
 # GCRA compares values scaled by the rate; (burst + weight) * period must stay exact in a double.
 _EXACT = 2**52
 
 
 @dataclass(frozen=True, slots=True)
-class FixedWindow:
+class FixedWindow(WireLimit):
     """At most ``amount`` per calendar-aligned window of ``per`` seconds.
 
     Windows start at multiples of ``per`` since the epoch (a minute window starts on the
@@ -42,14 +42,6 @@ class FixedWindow:
         object.__setattr__(self, "_wire", ("fw", self.amount, _us(per), _us(per)))
 
     @property
-    def wire(self) -> tuple[str, int, int, int]:
-        return self._wire
-
-    @property
-    def max_weight(self) -> int:
-        return self.amount
-
-    @property
     def storage(self) -> tuple[str, int]:
         return ("f", self._wire[2])
 
@@ -58,7 +50,7 @@ class FixedWindow:
 
 
 @dataclass(frozen=True, slots=True)
-class SlidingLog:
+class SlidingLog(WireLimit):
     """At most ``amount`` in any ``per`` seconds, exactly: every admitted unit is logged.
 
     A request of weight w logs w entries (so memory per identifier is at most ``amount``
@@ -85,14 +77,6 @@ class SlidingLog:
         object.__setattr__(self, "_wire", ("log", self.amount, _us(per), 0))
 
     @property
-    def wire(self) -> tuple[str, int, int, int]:
-        return self._wire
-
-    @property
-    def max_weight(self) -> int:
-        return self.amount
-
-    @property
     def aux_suffix(self) -> str:
         return f"log:{self._wire[2]}"
 
@@ -105,7 +89,7 @@ class SlidingLog:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenBucket:
+class TokenBucket(WireLimit):
     """``rate`` units refill every ``per`` seconds, up to ``burst`` (default: ``rate``).
 
     Implemented as GCRA: one stored timestamp per identifier, refill exact over any run (kept
@@ -137,14 +121,6 @@ class TokenBucket:
         object.__setattr__(self, "_wire", ("gcra", burst, period, self.rate))
 
     @property
-    def wire(self) -> tuple[str, int, int, int]:
-        return self._wire
-
-    @property
-    def max_weight(self) -> int:
-        return self._wire[1]
-
-    @property
     def amount(self) -> int:
         """The bucket's capacity (its burst), for headers and messages."""
         return self._wire[1]
@@ -158,7 +134,7 @@ class TokenBucket:
 
 
 @dataclass(frozen=True, slots=True)
-class MinInterval:
+class MinInterval(WireLimit):
     """At least ``seconds`` between two admitted requests of an identifier.
 
     GCRA with a burst of 1 (a token bucket of one token refilled every ``seconds``); its weight
@@ -174,14 +150,6 @@ class MinInterval:
         seconds = _check_seconds("MinInterval", "seconds", self.seconds)
         object.__setattr__(self, "seconds", seconds)
         object.__setattr__(self, "_wire", ("gcra", 1, _us(seconds), 1))
-
-    @property
-    def wire(self) -> tuple[str, int, int, int]:
-        return self._wire
-
-    @property
-    def max_weight(self) -> int:
-        return 1
 
     @property
     def amount(self) -> int:
@@ -200,7 +168,7 @@ class MinInterval:
 
 
 @dataclass(frozen=True, slots=True)
-class Concurrency:
+class Concurrency(WireLimit):
     """At most ``max`` requests in flight per identifier (leases).
 
     Admission takes a lease that must be released: ``async with limiter.limit(ids)`` does it on
@@ -223,14 +191,6 @@ class Concurrency:
         ttl = _check_seconds("Concurrency", "lease_ttl", self.lease_ttl)
         object.__setattr__(self, "lease_ttl", ttl)
         object.__setattr__(self, "_wire", ("lease", self.max, _us(ttl), 0))
-
-    @property
-    def wire(self) -> tuple[str, int, int, int]:
-        return self._wire
-
-    @property
-    def max_weight(self) -> int:
-        return self.max
 
     @property
     def amount(self) -> int:

@@ -59,8 +59,26 @@ def _us(seconds: float) -> int:
     return round(seconds * 1_000_000)
 
 
+class WireLimit:
+    """What every limit type shares: its wire form for the scripts (set in ``__post_init__``
+    as ``_wire``) and, from it, the largest weight it could ever admit."""
+
+    __slots__ = ()
+    _wire: tuple[str, int, int, int]
+
+    @property
+    def wire(self) -> tuple[str, int, int, int]:
+        """(algorithm code, amount, period µs, parameter) as the Lua scripts take them."""
+        return self._wire
+
+    @property
+    def max_weight(self) -> int:
+        """The largest weight this limit could ever admit in one call."""
+        return self._wire[1]
+
+
 @dataclass(frozen=True, slots=True)
-class Limit:
+class Limit(WireLimit):
     """At most ``amount`` units per ``per`` seconds: a sliding window counter.
 
     The window is made of buckets ``precision`` seconds wide (default: ``per``, which makes it
@@ -98,16 +116,6 @@ class Limit:
             )
         count = float(match["count"]) if match["count"] else 1.0
         return cls(int(match["amount"]), per=count * unit)
-
-    @property
-    def max_weight(self) -> int:
-        """The largest weight this limit could ever admit in one call."""
-        return self.amount
-
-    @property
-    def wire(self) -> tuple[str, int, int, int]:
-        """(algorithm code, amount, period µs, parameter) as the Lua scripts take them."""
-        return self._wire
 
     @property
     def storage(self) -> tuple[str, int, int]:
