@@ -163,6 +163,30 @@ async def _phase(
         stats.delete_matching(contender.key_pattern)
 
 
+async def run_round(
+    name: str, outcome: Outcome, *, url: str, algorithm: str, limits: Any, prefix: str,
+    id_sets: list[list[tuple[str, ...]]], config: Config, stats: ServerStats,
+    counter: CommandCounter,
+) -> Measurement | None:  # fmt: skip
+    """One contender's measured phase, added to ``outcome``; None (and a status saying why)
+    when it cannot run this algorithm or failed."""
+    try:
+        contender = make_contender(
+            name, url=url, algorithm=algorithm, limits=limits, prefix=prefix,
+            sliding_buckets=config.sliding_buckets,
+        )  # fmt: skip
+        outcome.impl = contender.impl
+        result = await _phase(contender, id_sets, config, stats, counter)
+    except Unsupported as exc:
+        outcome.status = f"n/a: {exc}"
+        return None
+    except Exception as exc:
+        outcome.status = f"failed: {exc!r}"[:200]
+        return None
+    outcome.measurement.add(result)
+    return result
+
+
 async def run_shape(
     url: str, algorithm: str, ids: int, nlimits: int, config: Config,
     stats: ServerStats, counter: CommandCounter, token: str,
@@ -178,21 +202,13 @@ async def run_shape(
             outcome = outcomes[name]
             if outcome.status != "ok":
                 continue
-            prefix = f"bench-{token}-{name}-{algorithm}-{ids}x{nlimits}"
-            try:
-                contender = make_contender(
-                    name, url=url, algorithm=algorithm, limits=limits, prefix=prefix,
-                    sliding_buckets=config.sliding_buckets,
-                )  # fmt: skip
-                outcome.impl = contender.impl
-                result = await _phase(contender, id_sets, config, stats, counter)
-            except Unsupported as exc:
-                outcome.status = f"n/a: {exc}"
+            result = await run_round(
+                name, outcome, url=url, algorithm=algorithm, limits=limits,
+                prefix=f"bench-{token}-{name}-{algorithm}-{ids}x{nlimits}", id_sets=id_sets,
+                config=config, stats=stats, counter=counter,
+            )  # fmt: skip
+            if result is None:
                 continue
-            except Exception as exc:
-                outcome.status = f"failed: {exc!r}"[:200]
-                continue
-            outcome.measurement.add(result)
             _log(
                 config,
                 f"  {algorithm} {ids}x{nlimits} round {round_index + 1} {name}: "

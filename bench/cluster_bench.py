@@ -37,8 +37,8 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from bench._measure import CommandCounter, ServerStats, counting_commands, format_table
-from bench._peers import Unsupported, library_versions, make_contender, windows
-from bench.bench import Config, Outcome, _fmt, _phase, server
+from bench._peers import library_versions, windows
+from bench.bench import Config, Outcome, _fmt, run_round, server
 
 CONTENDERS = ("aiolimit", "limits", "pyrate")
 SCENARIOS = ("one slot", "two primaries")
@@ -108,21 +108,13 @@ async def run_scenario(
             outcome = outcomes[name]
             if outcome.status != "ok":
                 continue
-            prefix = f"cbench-{token}-{name}-{scenario.replace(' ', '-')}"
-            try:
-                contender = make_contender(
-                    name, url=url, algorithm="sliding", limits=limits, prefix=prefix,
-                    sliding_buckets=config.sliding_buckets,
-                )  # fmt: skip
-                outcome.impl = contender.impl
-                result = await _phase(contender, sets, config, stats, counter)
-            except Unsupported as exc:
-                outcome.status = f"n/a: {exc}"
+            result = await run_round(
+                name, outcome, url=url, algorithm="sliding", limits=limits,
+                prefix=f"cbench-{token}-{name}-{scenario.replace(' ', '-')}", id_sets=sets,
+                config=config, stats=stats, counter=counter,
+            )  # fmt: skip
+            if result is None:
                 continue
-            except Exception as exc:
-                outcome.status = f"failed: {exc!r}"[:200]
-                continue
-            outcome.measurement.add(result)
             print(
                 f"  {scenario} round {round_index + 1} {name}: "
                 f"{result.decisions_per_second:,.0f} decisions/s"
