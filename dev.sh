@@ -56,13 +56,13 @@ shift || true
 case "$cmd" in
   demo)
     ensure_server; ensure_venv
-    exec .venv/bin/python demo.py "$@"
+    exec .venv/bin/python examples/demo.py "$@"
     ;;
   test)
     ensure_server; ensure_venv
     log "ruff"
-    .venv/bin/ruff check aiolimit cluster bench tests demo.py
-    .venv/bin/ruff format --check aiolimit cluster bench tests demo.py
+    .venv/bin/ruff check aiolimit cluster bench tests examples
+    .venv/bin/ruff format --check aiolimit cluster bench tests examples
     log "mypy --strict aiolimit"
     .venv/bin/mypy
     log "pytest"

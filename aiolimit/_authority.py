@@ -47,11 +47,11 @@ def _open(authority: object, socket_timeout: float) -> tuple[Redis | RedisCluste
         )
     scheme = urlsplit(authority).scheme.lower()
     if scheme in ("redis+cluster", "rediss+cluster"):
-        from aiolimit._cluster_store import client_from_url as cluster_client
+        from aiolimit._stores.cluster import client_from_url as cluster_client
 
         return cluster_client(authority, socket_timeout), True, authority
     if scheme in ("redis", "rediss", "unix"):
-        from aiolimit._redis_store import client_from_url
+        from aiolimit._stores.redis import client_from_url
 
         try:
             return client_from_url(authority, socket_timeout), True, authority
@@ -205,7 +205,7 @@ class AuthorityClock:
         if not self._owns:
             return
         if isinstance(self._client, RedisCluster):
-            from aiolimit._cluster_store import close_client
+            from aiolimit._stores.cluster import close_client
 
             await close_client(self._client)
         else:

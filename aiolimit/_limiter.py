@@ -17,8 +17,8 @@ from aiolimit._keys import check_prefix
 from aiolimit._lease import Lease
 from aiolimit._protocol import Protocol, new_op_id
 from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight
-from aiolimit._store import Store
 from aiolimit._stores import default_deadline, open_store
+from aiolimit._stores.base import Store
 from aiolimit._wire import ACQUIRE, CHECK, REFUND, UNDO, Call
 
 logger = logging.getLogger("aiolimit")

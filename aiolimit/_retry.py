@@ -28,7 +28,7 @@ from redis import exceptions as redis_errors
 
 from aiolimit._errors import BackendUnavailable, ConfigurationError
 from aiolimit._failure import DECISION_DEADLINE
-from aiolimit._store import translate_errors
+from aiolimit._stores.base import translate_errors
 
 T = TypeVar("T")
 

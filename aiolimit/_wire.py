@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from aiolimit._decision import Decision, PairDecision
 from aiolimit._rules import IdentifierPlan
-from aiolimit._store import Arg
+from aiolimit._stores.base import Arg
 
 ACQUIRE = "acquire"
 CHECK = "check"

@@ -25,10 +25,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from aiolimit._limiter import Limiter
-from aiolimit._web import RouteLimit, RouteTable, Rule, judge, refund_quietly
-from aiolimit._web_client_ip import ClientIPResolver, ForwardedHeader
-from aiolimit._web_headers import PROBLEM_CONTENT_TYPE
-from aiolimit._web_keys import CLIENT_IP, KeyFunc, WeightFunc, _call, header_key
+from aiolimit._web.client_ip import ClientIPResolver, ForwardedHeader
+from aiolimit._web.flow import RouteLimit, RouteTable, Rule, judge, refund_quietly
+from aiolimit._web.headers import PROBLEM_CONTENT_TYPE
+from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, header_key
 
 __all__ = [
     "CLIENT_IP",

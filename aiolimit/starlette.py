@@ -18,7 +18,7 @@ Importable only with Starlette installed (``pip install aiolimit[web]``)::
 Every key that gives a value becomes one identifier (``"ip:203.0.113.7"``, ``"user:42"``) and
 all of them are decided in one all-or-nothing ``try_acquire``. Refused: 429 with RFC 9457
 problem+json, ``Retry-After`` and the ``RateLimit``/``RateLimit-Policy`` fields (see
-``aiolimit._web_headers`` for the header semantics). Store down and ``on_error="closed"``: 503.
+``aiolimit._web.headers`` for the header semantics). Store down and ``on_error="closed"``: 503.
 
 Behind a proxy, note that uvicorn's own ``proxy_headers`` (on by default, trusting
 ``127.0.0.1``) rewrites the ASGI ``client`` from ``X-Forwarded-For`` before any middleware runs.
@@ -37,10 +37,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiolimit._decision import Decision
 from aiolimit._limiter import Limiter
-from aiolimit._web import RouteLimit, RouteTable, Rule, Verdict, judge, refund_quietly
-from aiolimit._web_client_ip import ClientIPResolver, ForwardedHeader
-from aiolimit._web_headers import PROBLEM_CONTENT_TYPE
-from aiolimit._web_keys import CLIENT_IP, KeyFunc, WeightFunc, _call, header_key
+from aiolimit._web.client_ip import ClientIPResolver, ForwardedHeader
+from aiolimit._web.flow import RouteLimit, RouteTable, Rule, Verdict, judge, refund_quietly
+from aiolimit._web.headers import PROBLEM_CONTENT_TYPE
+from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, header_key
 
 __all__ = [
     "CLIENT_IP",

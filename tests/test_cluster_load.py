@@ -34,8 +34,8 @@ from redis.crc import key_slot
 
 import cluster
 from aiolimit import BackendError, BackendUnavailable, Limit, Limiter
-from aiolimit._cluster_store import ClusterStore
 from aiolimit._keys import main_key
+from aiolimit._stores.cluster import ClusterStore
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis._parsers.base import BaseParser
 
-from aiolimit._embedded_store import EmbeddedStore, NoScriptError, ScriptError
+from aiolimit._embedded.store import EmbeddedStore, NoScriptError, ScriptError
 
 Outcome = tuple[str, Any]
 

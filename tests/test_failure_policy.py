@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from aiolimit import BackendUnavailable, Limit, Limiter
 from aiolimit._failure import DECISION_DEADLINE, CircuitBreaker, time_left
-from aiolimit._redis_store import RedisStore, client_from_url
+from aiolimit._stores.redis import RedisStore, client_from_url
 from cluster import Standalone
 
 DEADLINE = 0.2

@@ -11,14 +11,14 @@ import json
 import pytest
 
 from aiolimit import ConfigurationError, Decision, Limit, PairDecision
-from aiolimit._web_client_ip import ClientIPResolver
-from aiolimit._web_headers import (
+from aiolimit._web.client_ip import ClientIPResolver
+from aiolimit._web.headers import (
     problem_body,
     quota_and_window,
     rate_limit_headers,
     retry_after_seconds,
 )
-from aiolimit._web_keys import key_value
+from aiolimit._web.keys import key_value
 
 TEN_PER_SECOND = Limit(10, per=1)
 HUNDRED_PER_MINUTE = Limit(100, per=60)

@@ -9,7 +9,7 @@ because ``retries_calls`` is true: the protocol gives every charging call an ope
 the script applies an op once, so a call resent after a lost reply never charges twice.
 
 The calls of every decision made in the same event-loop tick (``run_many``, and ``run``, a batch
-of one) leave together (``_cluster_batch.py``): grouped by the node that owns their slot in the
+of one) leave together (``batching.py``): grouped by the node that owns their slot in the
 client's slot cache, one pipeline per node, all nodes concurrently. Each call keeps its own
 deadline and its own retries; an error on one command of a pipeline concerns that call only.
 A command that comes back NOSCRIPT (after SCRIPT FLUSH, a restart or a failover: a promoted
@@ -41,7 +41,6 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, NoScriptError, TryAgainError
 
 from aiolimit._clock import Clock, ServerClock
-from aiolimit._cluster_batch import TickBatcher, loop_time
 from aiolimit._errors import ConfigurationError
 from aiolimit._retry import (
     RetryStatistics,
@@ -51,7 +50,8 @@ from aiolimit._retry import (
     is_retryable,
 )
 from aiolimit._scripts import decide_script
-from aiolimit._store import Arg, Reply, Store, translate_errors
+from aiolimit._stores.base import Arg, Reply, Store, translate_errors
+from aiolimit._stores.batching import TickBatcher, loop_time
 from aiolimit._wire import UNDO
 
 #: Seconds a store call may take, retries included, when no decision deadline is set.

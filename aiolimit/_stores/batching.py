@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 
-from aiolimit._store import Arg, Reply
+from aiolimit._stores.base import Arg, Reply
 
 Result = Reply | BaseException
 

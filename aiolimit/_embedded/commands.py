@@ -2,8 +2,8 @@
 
 Each handler keeps Redis 7.0's replies and errors, because the same Lua must behave the same on
 both backends; ``tests/test_embedded_store.py`` checks this against a real server. Number rules
-live in ``_embedded_numbers``, the keys and their deadlines in ``_embedded_keyspace``, and the
-sorted set handlers (registered here with the rest) in ``_embedded_sorted_sets``.
+live in ``numbers``, the keys and their deadlines in ``keyspace``, and the
+sorted set handlers (registered here with the rest) in ``sorted_sets``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING, TypeAlias
 
-from aiolimit import _embedded_sorted_sets as sorted_sets
-from aiolimit._embedded_numbers import (
+from . import sorted_sets as sorted_sets
+from .numbers import (
     LLONG_MAX,
     LLONG_MIN,
     format_long_double,
@@ -21,7 +21,7 @@ from aiolimit._embedded_numbers import (
     long_double_add,
     parse_long_double,
 )
-from aiolimit._embedded_replies import (
+from .replies import (
     NOT_FLOAT,
     NOT_INTEGER,
     SYNTAX,
@@ -32,7 +32,7 @@ from aiolimit._embedded_replies import (
 )
 
 if TYPE_CHECKING:
-    from aiolimit._embedded_keyspace import Keyspace
+    from .keyspace import Keyspace
 
 Handler: TypeAlias = "Callable[[Keyspace, Sequence[bytes]], Reply]"
 

@@ -3,7 +3,7 @@
 Values are bytes (strings), dicts (hashes) and ``SortedSet``. Expiry is lazy (a read of a due
 key drops it) plus a bounded sweep of due keys at the start of each script or command. As in
 Redis 7.0, expiry is judged by the time the script started, while TTL arithmetic (PTTL,
-PEXPIRE's base) reads the live clock. The commands that use it live in ``_embedded_commands``.
+PEXPIRE's base) reads the live clock. The commands that use it live in ``commands``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import heapq
 from collections.abc import Callable
 from typing import Any
 
-from aiolimit._embedded_replies import WRONGTYPE, CommandError
-from aiolimit._embedded_sorted_sets import SortedSet
+from .replies import WRONGTYPE, CommandError
+from .sorted_sets import SortedSet
 
 Value = bytes | dict[bytes, bytes] | SortedSet
 

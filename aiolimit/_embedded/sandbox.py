@@ -5,7 +5,7 @@ the same globals (read-only, and reading an undefined one is an error),
 ``redis.call``/``pcall``/``error_reply``/``status_reply``/``sha1hex``/``log``, the same reply
 conversions both ways (Lua numbers are truncated to integers, a table stops at its first nil,
 ``{ok=}`` and ``{err=}`` tables) and the same error messages. ``redis.call`` reaches the
-keyspace through ``_embedded_commands.execute``; ``_embedded_replies`` converts the replies.
+keyspace through ``_embedded_commands.execute``; ``replies`` converts the replies.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from lupa.lua51 import LuaRuntime
 
-from aiolimit._embedded_commands import execute
-from aiolimit._embedded_replies import CommandError, error_table, to_lua
+from .commands import execute
+from .replies import CommandError, error_table, to_lua
 
 if TYPE_CHECKING:
-    from aiolimit._embedded_keyspace import Keyspace
+    from .keyspace import Keyspace
 
 _log = logging.getLogger("aiolimit.embedded")
 _LOG_LEVELS = (logging.DEBUG, logging.DEBUG, logging.INFO, logging.WARNING)

@@ -18,13 +18,13 @@ import anyio
 from aiolimit._decision import Decision
 from aiolimit._errors import BackendError, ConfigurationError, WeightNeverFits
 from aiolimit._limiter import Limiter
-from aiolimit._web_headers import (
+from aiolimit._web.headers import (
     never_fits_body,
     problem_body,
     rate_limit_headers,
     retry_after_seconds,
 )
-from aiolimit._web_keys import CLIENT_IP, KeyFunc, WeightFunc, _call, check_keys, key_value
+from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, check_keys, key_value
 
 logger = logging.getLogger("aiolimit")
 

@@ -97,7 +97,7 @@ async def main() -> None:
             d = await limiter.peek(user)
             print(f"{user} now: allowed={d.allowed} retry_after={d.retry_after:.2f}s ({d.limit})")
         try:
-            from aiolimit._web_demo import run_web_demo
+            from web_demo import run_web_demo
         except ImportError:
             return
         print("\n--- over HTTP ---")

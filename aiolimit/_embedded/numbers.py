@@ -12,7 +12,7 @@ import math
 import re
 from fractions import Fraction
 
-from aiolimit._embedded_replies import NOT_INTEGER, CommandError
+from .replies import NOT_INTEGER, CommandError
 
 LLONG_MAX = 2**63 - 1
 LLONG_MIN = -(2**63)

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Literal, TypeAlias
 
 from aiolimit._errors import ConfigurationError
-from aiolimit._web_keys import key_value
+from aiolimit._web.keys import key_value
 
 IPAddress: TypeAlias = "ipaddress.IPv4Address | ipaddress.IPv6Address"
 Network: TypeAlias = "ipaddress.IPv4Network | ipaddress.IPv6Network"

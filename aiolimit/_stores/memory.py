@@ -1,6 +1,6 @@
 """The embedded store (``memory://``): the same Lua scripts, run in-process by Lua 5.1.
 
-Not a mock: ``lua/`` runs unchanged on a small in-memory keyspace (``_embedded_store``) that
+Not a mock: ``lua/`` runs unchanged on a small in-memory keyspace (``aiolimit._embedded``) that
 implements the Redis commands the scripts use, TTLs included. One script call runs to completion
 without awaiting, so under asyncio every decision is atomic, as on Redis.
 """
@@ -14,7 +14,7 @@ import anyio
 from aiolimit._clock import Clock, LocalClock
 from aiolimit._errors import ConfigurationError
 from aiolimit._scripts import decide_script
-from aiolimit._store import Arg, Reply, Store
+from aiolimit._stores.base import Arg, Reply, Store
 
 
 class MemoryStore(Store):
@@ -24,7 +24,7 @@ class MemoryStore(Store):
 
     def __init__(self) -> None:
         try:
-            from aiolimit._embedded_store import EmbeddedStore
+            from aiolimit._embedded.store import EmbeddedStore
         except ImportError as exc:  # lupa missing
             raise ConfigurationError(
                 "memory:// needs the 'lupa' package: pip install 'aiolimit[embedded]'"

@@ -1,7 +1,7 @@
 """Sorted sets for the embedded backend: the ``SortedSet`` value and the Z* commands.
 
 Replies and errors are Redis 7.0's, scores included (``%.17g``, strtod bounds, ``-0`` stored as
-0). ``_embedded_commands`` registers these handlers under their Redis names.
+0). ``commands`` registers these handlers under their Redis names.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from bisect import bisect_left, bisect_right, insort
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from aiolimit._embedded_numbers import format_double, int_arg, parse_double, parse_range_bound
-from aiolimit._embedded_replies import NOT_FLOAT, SYNTAX, CommandError, Reply
+from .numbers import format_double, int_arg, parse_double, parse_range_bound
+from .replies import NOT_FLOAT, SYNTAX, CommandError, Reply
 
 if TYPE_CHECKING:
-    from aiolimit._embedded_keyspace import Keyspace
+    from .keyspace import Keyspace
 
 
 class SortedSet:

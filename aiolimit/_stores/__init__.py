@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from aiolimit._errors import ConfigurationError
-from aiolimit._store import Store
+from aiolimit._stores.base import Store
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -38,11 +38,11 @@ def open_store(
     if isinstance(store, Store):
         return store
     if isinstance(store, Redis):
-        from aiolimit._redis_store import RedisStore
+        from aiolimit._stores.redis import RedisStore
 
         return RedisStore(store, owns_client=False)
     if isinstance(store, RedisCluster):
-        from aiolimit._cluster_store import ClusterStore
+        from aiolimit._stores.cluster import ClusterStore
 
         return ClusterStore(store, owns_client=False)
     if not isinstance(store, str):
@@ -58,7 +58,7 @@ def open_store(
         )
     scheme = urlsplit(store).scheme.lower()
     if scheme in REDIS_SCHEMES:
-        from aiolimit._redis_store import RedisStore, client_from_url
+        from aiolimit._stores.redis import RedisStore, client_from_url
 
         try:
             io_timeout = None if bounded_by_deadline else socket_timeout
@@ -67,11 +67,11 @@ def open_store(
             raise ConfigurationError(f"invalid Redis URL {store!r}: {exc}") from exc
         return RedisStore(client, owns_client=True, address=_redact(store))
     if scheme in CLUSTER_SCHEMES:
-        from aiolimit._cluster_store import ClusterStore
+        from aiolimit._stores.cluster import ClusterStore
 
         return ClusterStore.from_url(store, socket_timeout=socket_timeout)
     if scheme == "memory":
-        from aiolimit._memory_store import MemoryStore
+        from aiolimit._stores.memory import MemoryStore
 
         return MemoryStore()
     raise ConfigurationError(

@@ -13,7 +13,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from aiolimit._clock import Clock, ServerClock
 from aiolimit._scripts import decide_script
-from aiolimit._store import Arg, Reply, Store, translate_errors
+from aiolimit._stores.base import Arg, Reply, Store, translate_errors
 
 #: Connections one limiter opens to its server at most (see client_from_url).
 MAX_CONNECTIONS = 100

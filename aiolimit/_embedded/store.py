@@ -1,10 +1,10 @@
 """The embedded backend: aiolimit's Redis Lua scripts run in-process on an in-memory keyspace.
 
 It is not a mock. Scripts run on real Lua 5.1 (lupa), the version Redis embeds, inside a copy
-of Redis 7.0's scripting environment (``_embedded_sandbox``), over a keyspace that expires keys
-as Redis does (``_embedded_keyspace``) and commands that keep Redis' replies, errors and number
-rules (``_embedded_commands``, ``_embedded_sorted_sets``, ``_embedded_numbers``);
-``_embedded_replies`` converts replies across the Lua boundary. This module is the store's
+of Redis 7.0's scripting environment (``sandbox``), over a keyspace that expires keys
+as Redis does (``keyspace``) and commands that keep Redis' replies, errors and number
+rules (``commands``, ``sorted_sets``, ``numbers``);
+``replies`` converts replies across the Lua boundary. This module is the store's
 face: EVAL/EVALSHA over a script cache, plus a few direct commands for tests and tools.
 ``tests/test_embedded_store.py`` runs the same scripts on a real server to keep both honest.
 
@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiolimit._embedded_commands import execute
-from aiolimit._embedded_keyspace import Keyspace
-from aiolimit._embedded_replies import (
+from .commands import execute
+from .keyspace import Keyspace
+from .replies import (
     CommandError,
     ScriptError,
     parse_reply,
@@ -32,7 +32,7 @@ from aiolimit._embedded_replies import (
     text,
     to_arg,
 )
-from aiolimit._embedded_sandbox import Sandbox
+from .sandbox import Sandbox
 
 __all__ = ["EmbeddedStore", "NoScriptError", "ScriptError"]
 

@@ -1,0 +1,4 @@
+"""The in-process Lua engine behind ``memory://``: runs ``lua/`` on an in-memory keyspace.
+
+Self-contained: it imports nothing from the rest of aiolimit.
+"""

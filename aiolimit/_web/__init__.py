@@ -1,0 +1,1 @@
+"""The framework-neutral web core that ``aiolimit.starlette`` and ``aiolimit.aiohttp`` adapt."""
