@@ -15,11 +15,12 @@ from aiolimit._errors import (
     ConfigurationError,
     InvalidRequestError,
     RateLimited,
+    UsageError,
     WeightNeverFits,
 )
 from aiolimit._lease import Lease
 from aiolimit._limiter import Acquisition, Limiter, LimiterStatistics
-from aiolimit._limits import Limit
+from aiolimit._limits import BaseLimit, Limit
 
 __all__ = [
     "Acquisition",
@@ -27,6 +28,7 @@ __all__ = [
     "AuthorityClock",
     "BackendError",
     "BackendUnavailable",
+    "BaseLimit",
     "Clock",
     "Concurrency",
     "ConfigurationError",
@@ -44,6 +46,7 @@ __all__ = [
     "ServerClock",
     "SlidingLog",
     "TokenBucket",
+    "UsageError",
     "WeightNeverFits",
 ]
 __version__ = "0.1.0"

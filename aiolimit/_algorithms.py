@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from aiolimit._errors import ConfigurationError
-from aiolimit._limits import WireLimit, _check_amount, _check_seconds, _seconds_text, _us
+from aiolimit._limits import BaseLimit, _check_amount, _check_seconds, _seconds_text, _us
 
 # GCRA compares values scaled by the rate; (burst + weight) * period must stay exact in a double.
 _EXACT = 2**52
 
 
 @dataclass(frozen=True, slots=True)
-class FixedWindow(WireLimit):
+class FixedWindow(BaseLimit):
     """At most ``amount`` per calendar-aligned window of ``per`` seconds.
 
     Windows start at multiples of ``per`` since the epoch (a minute window starts on the
@@ -50,7 +50,7 @@ class FixedWindow(WireLimit):
 
 
 @dataclass(frozen=True, slots=True)
-class SlidingLog(WireLimit):
+class SlidingLog(BaseLimit):
     """At most ``amount`` in any ``per`` seconds, exactly: every admitted unit is logged.
 
     A request of weight w logs w entries (so memory per identifier is at most ``amount``
@@ -89,7 +89,7 @@ class SlidingLog(WireLimit):
 
 
 @dataclass(frozen=True, slots=True)
-class TokenBucket(WireLimit):
+class TokenBucket(BaseLimit):
     """``rate`` units refill every ``per`` seconds, up to ``burst`` (default: ``rate``).
 
     Implemented as GCRA: one stored timestamp per identifier, refill exact over any run (kept
@@ -134,7 +134,7 @@ class TokenBucket(WireLimit):
 
 
 @dataclass(frozen=True, slots=True)
-class MinInterval(WireLimit):
+class MinInterval(BaseLimit):
     """At least ``seconds`` between two admitted requests of an identifier.
 
     GCRA with a burst of 1 (a token bucket of one token refilled every ``seconds``); its weight
@@ -168,7 +168,7 @@ class MinInterval(WireLimit):
 
 
 @dataclass(frozen=True, slots=True)
-class Concurrency(WireLimit):
+class Concurrency(BaseLimit):
     """At most ``max`` requests in flight per identifier (leases).
 
     Admission takes a lease that must be released: ``async with limiter.limit(ids)`` does it on
@@ -182,7 +182,6 @@ class Concurrency(WireLimit):
     _wire: tuple[str, int, int, int] = field(init=False, repr=False, compare=False)
 
     algorithm: ClassVar[str] = "lease"
-    aux_suffix: ClassVar[str] = "lease"
 
     def __post_init__(self) -> None:
         _check_amount("Concurrency max", self.max)
@@ -203,6 +202,10 @@ class Concurrency(WireLimit):
     @property
     def storage(self) -> tuple[str]:
         return ("lease",)
+
+    @property
+    def aux_suffix(self) -> str:
+        return "lease"
 
     def __str__(self) -> str:
         return f"at most {self.max} in flight (lease {self.lease_ttl:g}s)"

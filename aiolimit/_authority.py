@@ -19,17 +19,28 @@ successor), so every client picks the same node without being told.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
-import anyio
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from aiolimit._connection import (
+    REDIS_SCHEMES,
+    client_address,
+    close_cluster_client,
+    cluster_client,
+    is_cluster_url,
+    redact,
+    redis_client,
+    scheme_of,
+)
+from aiolimit._deadline import current_deadline
 from aiolimit._errors import ConfigurationError
-from aiolimit._retry import call_with_retries, current_deadline
+from aiolimit._retry import call_with_retries
+from aiolimit._validation import check_int, check_number, check_optional_seconds
 
 DEFAULT_SAMPLES = 5
 DEFAULT_DRIFT_PPM = 100.0
@@ -39,27 +50,20 @@ DEFAULT_DEADLINE = 5.0
 
 def _open(authority: object, socket_timeout: float) -> tuple[Redis | RedisCluster, bool, str]:
     if isinstance(authority, (Redis, RedisCluster)):
-        return authority, False, repr(authority)
+        return authority, False, client_address(authority)
     if not isinstance(authority, str):
         raise ConfigurationError(
             "AuthorityClock needs a Redis URL or a redis.asyncio Redis / RedisCluster client, "
             f"got {type(authority).__name__}"
         )
-    scheme = urlsplit(authority).scheme.lower()
-    if scheme in ("redis+cluster", "rediss+cluster"):
-        from aiolimit._stores.cluster import client_from_url as cluster_client
-
-        return cluster_client(authority, socket_timeout), True, authority
-    if scheme in ("redis", "rediss", "unix"):
-        from aiolimit._stores.redis import client_from_url
-
-        try:
-            return client_from_url(authority, socket_timeout), True, authority
-        except ValueError as exc:
-            raise ConfigurationError(f"invalid Redis URL {authority!r}: {exc}") from exc
+    if is_cluster_url(authority):
+        return cluster_client(authority, socket_timeout), True, redact(authority)
+    if scheme_of(authority) in REDIS_SCHEMES:
+        client = redis_client(authority, socket_timeout, io_timeout=socket_timeout)
+        return client, True, redact(authority)
     raise ConfigurationError(
         f"AuthorityClock URL must be redis://, rediss://, unix://, redis+cluster:// or "
-        f"rediss+cluster://, got {authority!r}"
+        f"rediss+cluster://, got {redact(authority)!r}"
     )
 
 
@@ -81,6 +85,7 @@ class AuthorityClock:
 
     #: Keys are judged by the authority's clock but expire by each shard's own; a little slack.
     ttl_slack_ms = 1000
+    sleep_margin = 0.000_5
 
     def __init__(
         self,
@@ -92,22 +97,9 @@ class AuthorityClock:
         time_source: Callable[[], float] = time.monotonic,
         socket_timeout: float = 2.0,
     ) -> None:
-        if max_age is not None and (
-            isinstance(max_age, bool)
-            or not isinstance(max_age, (int, float))
-            or not 0 < max_age <= 86400
-        ):
-            raise ConfigurationError(
-                f"max_age must be None or 0 < seconds <= 86400, got {max_age!r}"
-            )
-        if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= 100:
-            raise ConfigurationError(f"samples must be an int 1..100, got {samples!r}")
-        if (
-            isinstance(drift_ppm, bool)
-            or not isinstance(drift_ppm, (int, float))
-            or not 0 <= drift_ppm <= 10_000
-        ):
-            raise ConfigurationError(f"drift_ppm must be 0..10000, got {drift_ppm!r}")
+        max_age = check_optional_seconds("max_age", max_age, 0, 86400, open_low=True)
+        samples = check_int("samples", samples, 1, 100)
+        drift_ppm = check_number("drift_ppm", drift_ppm, 0, 10_000)
         if not callable(time_source):
             raise ConfigurationError(f"time_source must be callable, got {time_source!r}")
         self.max_age = max_age
@@ -118,7 +110,7 @@ class AuthorityClock:
         self._offset_us: int | None = None  # server µs - local µs, from the best sample
         self._rtt = 0.0
         self._sampled_at = 0.0
-        self._lock: anyio.Lock | None = None
+        self._lock: asyncio.Lock | None = None
         #: TIME requests sent (each sample and each uncached ``now_us`` is one round trip).
         self.round_trips = 0
 
@@ -136,7 +128,7 @@ class AuthorityClock:
         return time.monotonic()
 
     async def sleep(self, seconds: float) -> None:
-        await anyio.sleep(seconds)
+        await asyncio.sleep(seconds)
 
     # --- the cached offset -----------------------------------------------------------------
 
@@ -172,7 +164,7 @@ class AuthorityClock:
 
     async def _resample_once(self) -> None:
         if self._lock is None:
-            self._lock = anyio.Lock()
+            self._lock = asyncio.Lock()
         async with self._lock:
             # Another task may have sampled while this one waited for the lock.
             stale = self._offset_us is None or (
@@ -205,9 +197,7 @@ class AuthorityClock:
         if not self._owns:
             return
         if isinstance(self._client, RedisCluster):
-            from aiolimit._stores.cluster import close_client
-
-            await close_client(self._client)
+            await close_cluster_client(self._client)
         else:
             await self._client.aclose()
 

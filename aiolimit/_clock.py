@@ -12,10 +12,9 @@ makes ``acquire`` deterministic in tests.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Protocol, runtime_checkable
-
-import anyio
 
 
 @runtime_checkable
@@ -25,6 +24,10 @@ class Clock(Protocol):
     #: Milliseconds added to every key's TTL. Server time needs none; a clock that is not the
     #: server's (a client's, a manual one) gets slack so keys outlive the windows it judges by.
     ttl_slack_ms: int
+    #: Seconds added to a wait before trying again: none on a clock that judges exactly when
+    #: told to (a manual one); a little on a real one, whose server time ticks on and rounds
+    #: to microseconds.
+    sleep_margin: float
 
     async def now_us(self) -> int | None:
         """Microseconds since the epoch, or None to use the script's own server TIME."""
@@ -43,6 +46,7 @@ class ServerClock:
     """Each script reads its own server's TIME (the default on Redis)."""
 
     ttl_slack_ms = 0
+    sleep_margin = 0.000_5
 
     async def now_us(self) -> int | None:
         return None
@@ -51,7 +55,7 @@ class ServerClock:
         return time.monotonic()
 
     async def sleep(self, seconds: float) -> None:
-        await anyio.sleep(seconds)
+        await asyncio.sleep(seconds)
 
     def __repr__(self) -> str:
         return "ServerClock()"
@@ -65,6 +69,7 @@ class LocalClock:
     """
 
     ttl_slack_ms = 1000
+    sleep_margin = 0.000_5
 
     async def now_us(self) -> int | None:
         return time.time_ns() // 1000
@@ -73,7 +78,7 @@ class LocalClock:
         return time.monotonic()
 
     async def sleep(self, seconds: float) -> None:
-        await anyio.sleep(seconds)
+        await asyncio.sleep(seconds)
 
     def __repr__(self) -> str:
         return "LocalClock()"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+from aiolimit._limits import BaseLimit
 
 if TYPE_CHECKING:
     from aiolimit._lease import Lease
@@ -18,7 +20,7 @@ class PairDecision(NamedTuple):
     """
 
     identifier: str
-    limit: Any  # Limit or another algorithm's value type
+    limit: BaseLimit
     allowed: bool
     remaining: int
     retry_after: float
@@ -46,7 +48,7 @@ class Decision:
     retry_after: float
     reset_after: float
     identifier: str | None
-    limit: Any
+    limit: BaseLimit | None
     details: tuple[PairDecision, ...] = ()
     degraded: bool = False
     lease: Lease | None = None

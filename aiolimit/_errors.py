@@ -4,6 +4,7 @@
     ├── ConfigurationError   (also ValueError)  a limit, rule, URL or option is invalid
     ├── InvalidRequestError  (also ValueError)  the arguments of one call are invalid
     │   └── WeightNeverFits                     the weight exceeds a limit: it can never pass
+    ├── UsageError           (also RuntimeError) used after ``aclose()`` or on another event loop
     ├── RateLimited                             refused; ``.decision`` says why and for how long
     └── BackendError                            the store failed; the Redis error is __cause__
         └── BackendUnavailable                  no answer (connection refused, timeout, down)
@@ -34,6 +35,10 @@ class InvalidRequestError(AiolimitError, ValueError):
 
 class WeightNeverFits(InvalidRequestError):
     """The weight is larger than a limit that applies, so no amount of waiting admits it."""
+
+
+class UsageError(AiolimitError, RuntimeError):
+    """The object cannot serve this call: it was closed, or it belongs to another event loop."""
 
 
 class RateLimited(AiolimitError):

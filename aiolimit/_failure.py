@@ -14,27 +14,25 @@ circuit breaker that stops paying that deadline while the store is down.
   opens it again for another ``recovery_time``. One log line (logger ``"aiolimit"``) per state
   change.
 
-Deadline contract for stores (the cluster store's retries use it): while a decision runs, the
-context variable ``DECISION_DEADLINE`` holds the absolute ``time.monotonic()`` by which it must
-be done, or ``None`` when the limiter has no deadline; ``time_left()`` says how many seconds
-remain. A store that retries should not start a retry or a backoff sleep that ends past it. The
-limiter enforces the deadline anyway with a cancel scope, so a store that ignores it is cut off.
-Child tasks (``asyncio.gather`` in ``run_many``) inherit the variable with the context.
+While a decision runs its deadline is published in ``aiolimit._deadline.DECISION_DEADLINE``
+for the stores' retries; the limiter enforces it anyway with ``asyncio.timeout``, so a store
+that ignores it is cut off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from contextvars import ContextVar, Token
+from contextvars import Token
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal, NoReturn
 
+from aiolimit._deadline import DECISION_DEADLINE
 from aiolimit._decision import Decision
 from aiolimit._errors import BackendError, BackendUnavailable, ConfigurationError
+from aiolimit._validation import check_int, check_optional_seconds, check_seconds
 
 OnError = Literal["open", "closed", "raise"]
 ON_ERROR_CHOICES = ("open", "closed", "raise")
@@ -42,31 +40,9 @@ BreakerState = Literal["closed", "open", "half_open"]
 
 logger = logging.getLogger("aiolimit")
 
-#: Absolute ``time.monotonic()`` by which the running decision must be done (None: no limit).
-DECISION_DEADLINE: ContextVar[float | None] = ContextVar("aiolimit_decision_deadline", default=None)
-
-
-def time_left() -> float | None:
-    """Seconds left before the running decision's deadline (may be <= 0); None if unbounded."""
-    deadline = DECISION_DEADLINE.get()
-    return None if deadline is None else deadline - time.monotonic()
-
 
 class DeadlineExceeded(BackendUnavailable):
     """The decision did not finish within the limiter's deadline (private: catch the parent)."""
-
-
-def _check_seconds(name: str, value: object, *, allow_none: bool) -> float | None:
-    if value is None and allow_none:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not (math.isfinite(value) and 0 < value <= 3600)
-    ):
-        allowed = "None or " if allow_none else ""
-        raise ConfigurationError(f"{name} must be {allowed}0 < seconds <= 3600, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,18 +70,8 @@ class CircuitBreaker:
     """
 
     def __init__(self, failure_threshold: int = 5, recovery_time: float = 1.0) -> None:
-        if (
-            isinstance(failure_threshold, bool)
-            or not isinstance(failure_threshold, int)
-            or failure_threshold < 1
-        ):
-            raise ConfigurationError(
-                f"failure_threshold must be an int >= 1, got {failure_threshold!r}"
-            )
-        recovery = _check_seconds("recovery_time", recovery_time, allow_none=False)
-        assert recovery is not None
-        self.failure_threshold = failure_threshold
-        self.recovery_time = recovery
+        self.failure_threshold = check_int("failure_threshold", failure_threshold, 1, 10**6)
+        self.recovery_time = check_seconds("recovery_time", recovery_time, 0, 3600, open_low=True)
         self.state: BreakerState = "closed"
         self._consecutive = 0
         self._opened_at = 0.0
@@ -237,7 +203,7 @@ class FailurePolicy:
                 f"on_error must be one of {', '.join(map(repr, ON_ERROR_CHOICES))}, "
                 f"got {on_error!r}"
             )
-        self.deadline_seconds = _check_seconds("deadline", deadline, allow_none=True)
+        self.deadline_seconds = check_optional_seconds("deadline", deadline, 0, 3600, open_low=True)
         self.on_error: OnError = on_error
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.degraded = 0

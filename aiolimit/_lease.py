@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-import anyio
+from aiolimit._calls import RELEASE, RENEW
 
-# (mode, op id) -> awaitable; bound by the limiter to the request's identifiers and weight.
-LeaseCall = Callable[[str, str], Awaitable[object]]
+if TYPE_CHECKING:
+    from aiolimit._protocol import Protocol
+    from aiolimit._rules import IdentifierPlan
 
 
 class Lease:
@@ -20,26 +22,29 @@ class Lease:
     ``lease_ttl``; ``renew()`` restarts that time for long holders.
     """
 
-    __slots__ = ("_call", "op_id", "released")
+    __slots__ = ("_plans", "_protocol", "_weight", "op_id", "released")
 
-    def __init__(self, call: LeaseCall, op_id: str) -> None:
-        self._call = call
+    def __init__(
+        self, protocol: Protocol, plans: Sequence[IdentifierPlan], weight: int, op_id: str
+    ) -> None:
+        self._protocol = protocol
+        self._plans = plans
+        self._weight = weight
         self.op_id = op_id
         self.released = False
 
     async def release(self) -> None:
-        """Gives the slots back (idempotent; shielded from cancellation)."""
+        """Gives the slots back (idempotent; finishes even if the caller is cancelled)."""
         if self.released:
             return
-        with anyio.CancelScope(shield=True):
-            await self._call("release", self.op_id)
+        await self._protocol.lease_call(RELEASE, self._plans, self._weight, self.op_id)
         self.released = True
 
     async def renew(self) -> None:
         """Restarts the lease's time to live."""
         if self.released:
             raise RuntimeError("cannot renew a released lease")
-        await self._call("renew", self.op_id)
+        await self._protocol.lease_call(RENEW, self._plans, self._weight, self.op_id)
 
     async def __aenter__(self) -> Lease:
         return self

@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import logging
+import math
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
+from aiolimit._calls import ACQUIRE, CHECK, REFUND, Mode
 from aiolimit._clock import Clock
 from aiolimit._decision import Decision
-from aiolimit._errors import BackendError, ConfigurationError, RateLimited
+from aiolimit._errors import (
+    BackendError,
+    ConfigurationError,
+    RateLimited,
+    UsageError,
+)
 from aiolimit._failure import BreakerStatistics, CircuitBreaker, FailurePolicy, OnError
 from aiolimit._keys import check_prefix
-from aiolimit._lease import Lease
-from aiolimit._protocol import Protocol, new_op_id
+from aiolimit._limits import BaseLimit
+from aiolimit._protocol import Protocol
 from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight
 from aiolimit._stores import default_deadline, open_store
 from aiolimit._stores.base import Store
-from aiolimit._wire import ACQUIRE, CHECK, REFUND, UNDO, Call
-
-logger = logging.getLogger("aiolimit")
+from aiolimit._validation import MAX_SECONDS, check_bool, check_optional_seconds
 
 # acquire reserves a GCRA turn at most this far ahead (also keeps the scaled values exact).
 MAX_RESERVATION_US = 3_600_000_000
@@ -47,8 +51,9 @@ class LimiterStatistics:
 class Limiter:
     """Rate limits several identifiers under several limits each, all or nothing.
 
-    ``store`` is a URL (``redis://``, ``rediss://``, ``unix://``, ``memory://``) or a
-    ``redis.asyncio.Redis`` client you own. ``limits`` is a list of limits for every identifier,
+    ``store`` is a URL (``redis://``, ``rediss://``, ``unix://``,
+    ``redis+cluster://host:port[,host:port...]``, ``memory://``) or a ``redis.asyncio.Redis``
+    / ``RedisCluster`` client you own. ``limits`` is a list of limits for every identifier,
     or a mapping from identifier kind (the text before the first ``:``) to limits, with ``"*"``
     as the default rule.
     """
@@ -77,8 +82,7 @@ class Limiter:
             on_error=on_error,
             breaker=CircuitBreaker(failure_threshold, recovery_time),
         )
-        if not isinstance(count_refused, bool):
-            raise ConfigurationError(f"count_refused must be a bool, got {count_refused!r}")
+        check_bool("count_refused", count_refused)
         self._rules = Rules(limits, check_prefix(prefix))
         self._store: Store = open_store(
             store,
@@ -89,46 +93,47 @@ class Limiter:
         self.clock: Clock = clock if clock is not None else self._store.default_clock()
         if not isinstance(self.clock, Clock):
             raise ConfigurationError(f"clock must implement aiolimit.Clock, got {clock!r}")
-        self._protocol = Protocol(
-            self._run,
-            self._store.slot,
-            self.clock.ttl_slack_ms,
-            count_refused,
-            always_op_ids=self._store.retries_calls,
-            single_slot=self._store.single_slot,
-        )
-        self._background: set[asyncio.Task[None]] = set()
+        self._protocol = Protocol(self._store, self.clock, penalty=count_refused)
         self._counts = {"decisions": 0, "allowed": 0, "refused": 0, "errors": 0, "waits": 0}
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def store(self) -> Store:
         return self._store
 
     @property
-    def limits(self) -> dict[str, tuple[Any, ...]]:
+    def limits(self) -> dict[str, tuple[BaseLimit, ...]]:
         """The rules: identifier kind -> limits."""
         return dict(self._rules.by_kind)
 
-    async def _run(self, calls: Sequence[Call]) -> list[list[int] | BaseException]:
-        if len(calls) == 1:
-            call = calls[0]
-            return [await self._store.run(call.keys, call.args)]
-        return await self._store.run_many([(call.keys, call.args) for call in calls])
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise UsageError(f"{self!r} is closed (aclose() was called); open a new Limiter")
+        if self._store.loop_bound:
+            loop = asyncio.get_running_loop()
+            if self._loop is None:
+                self._loop = loop
+            elif loop is not self._loop:
+                raise UsageError(
+                    f"{self!r} was first used on another event loop; its connections belong "
+                    "to that loop. Create one limiter per event loop (e.g. in the app's lifespan)"
+                )
 
     async def _decide(
-        self, mode: str, ids: Identifiers, weight: int, op: str = "", max_wait_us: int = 0,
-        plans: list[IdentifierPlan] | None = None,
-    ) -> Decision:  # fmt: skip
-        if plans is None:
-            plans = self._rules.plans(ids)
-            check_weight(weight, plans)
+        self, mode: Mode, plans: list[IdentifierPlan], weight: int, max_wait_us: int = 0
+    ) -> Decision:
+        """One decision under the failure policy: deadline, breaker, ``on_error``."""
+        self._check_usable()
         failure = self._failure
         if not failure.breaker.allow():
             return failure.short_circuit()
         try:
             async with failure.deadline():
-                now = await self.clock.now_us()
-                decision = await self._protocol.decide(mode, plans, weight, now, op, max_wait_us)
+                if mode is ACQUIRE:
+                    decision = await self._protocol.acquire(plans, weight, max_wait_us)
+                else:
+                    decision = await self._protocol.decide(mode, plans, weight)
         except BackendError as exc:
             self._counts["errors"] += 1
             return failure.failed(exc)
@@ -145,34 +150,14 @@ class Limiter:
         Under a ``Concurrency`` limit an admitted decision carries a ``lease`` to release.
         """
         plans = self._rules.plans(ids)
-        check_weight(weight, plans)
-        decision, _ = await self._try(plans, weight, 0)
-        return decision
+        return await self._try(plans, check_weight(weight, plans), 0)
 
-    async def _try(
-        self, plans: list[IdentifierPlan], weight: int, max_wait_us: int
-    ) -> tuple[Decision, str]:
-        leases = any(plan.has_leases for plan in plans)
-        op = new_op_id() if leases or max_wait_us else ""
-        try:
-            decision = await self._decide(ACQUIRE, (), weight, op, max_wait_us, plans)
-        except BaseException:
-            if leases:  # the script may have taken the lease before the caller went away
-                await self._undo(plans, weight, op)
-            raise
-        if leases and decision.degraded:  # the store may still apply it after the deadline
-            self._spawn_undo(plans, weight, op)
+    async def _try(self, plans: list[IdentifierPlan], weight: int, max_wait_us: int) -> Decision:
+        decision = await self._decide(ACQUIRE, plans, weight, max_wait_us)
         counts = self._counts
         counts["decisions"] += 1
         counts["allowed" if decision.allowed else "refused"] += 1
-        if leases and decision.allowed and not decision.degraded:
-
-            async def lease_call(mode: str, op_id: str) -> object:
-                now = await self.clock.now_us()
-                return await self._protocol.decide(mode, plans, weight, now, op_id)
-
-            decision = replace(decision, lease=Lease(lease_call, op))
-        return decision, op
+        return decision
 
     async def acquire(
         self,
@@ -183,77 +168,46 @@ class Limiter:
     ) -> Decision:
         """Like ``try_acquire``, but sleeps ``retry_after`` and tries again until admitted.
 
-        ``timeout=None`` waits as long as it takes, ``timeout=0`` never waits. When the next
+        ``timeout=None`` (or ``math.inf``) waits as long as it takes, ``timeout=0`` never
+        waits. When the next
         chance would come after the timeout, it raises ``RateLimited`` at once rather than
         sleeping in vain.
         """
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not timeout >= 0  # also rejects NaN
-        ):
-            raise ConfigurationError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+        if timeout == math.inf:
+            timeout = None  # as long as it takes
+        timeout = check_optional_seconds("timeout", timeout, 0, MAX_SECONDS)
         plans = self._rules.plans(ids)
-        check_weight(weight, plans)
+        weight = check_weight(weight, plans)
         clock = self.clock
         deadline = None if timeout is None else clock.monotonic() + timeout
         # When every limit is a GCRA bucket, a waiter reserves its turn (charged now, admitted
         # after the delay): waiters are served in arrival order with one call each, instead
         # of all waking at once and retrying.
         queueable = timeout != 0 and all(plan.queueable for plan in plans)
-        virtual = bool(getattr(clock, "virtual", False))
         while True:
             max_wait_us = 0
             if queueable:
                 left = MAX_RESERVATION_US if deadline is None else deadline - clock.monotonic()
                 max_wait_us = max(0, min(MAX_RESERVATION_US, int(left * 1_000_000)))
-            started_us = await clock.now_us() if virtual else None
-            decision, op = await self._try(plans, weight, max_wait_us)
-            # On a virtual clock (ManualClock) other tasks may have moved time while this
-            # call was in flight; waits count from the decision, in whole µs.
-            elapsed_us = 0
-            if started_us is not None:
-                elapsed_us = ((await clock.now_us()) or started_us) - started_us
+            started = clock.monotonic()
+            decision = await self._try(plans, weight, max_wait_us)
+            # Waits count from the decision: time the clock moved while the call was in
+            # flight (other tasks may move a manual clock) is already spent.
+            elapsed_us = round((clock.monotonic() - started) * 1_000_000)
             if decision.allowed:
                 delay_us = max((round(p.retry_after * 1e6) for p in decision.details), default=0)
                 if delay_us > elapsed_us and not decision.degraded:
-                    await self._wait_reservation(plans, weight, op, (delay_us - elapsed_us) / 1e6)
+                    # A reserved turn. A waiter cancelled meanwhile does not give it back:
+                    # later waiters' turns were counted after it, so returning a turn in the
+                    # middle of the queue would let two of them through at once.
+                    self._counts["waits"] += 1
+                    await clock.sleep((delay_us - elapsed_us) / 1e6)
                 return decision
-            wait = max(round(decision.retry_after * 1e6) - elapsed_us, 0) / 1e6
-            if deadline is not None and clock.monotonic() + wait > deadline:
+            wait_us = max(round(decision.retry_after * 1e6) - elapsed_us, 0)
+            if deadline is not None and clock.monotonic() + wait_us / 1e6 > deadline:
                 raise RateLimited(decision)
             self._counts["waits"] += 1
-            # A tiny margin: the server rounds to microseconds and its clock ticks on.
-            await clock.sleep(wait + (0.0 if virtual else 0.000_5))
-
-    def _spawn_undo(self, plans: list[IdentifierPlan], weight: int, op: str) -> asyncio.Task[None]:
-        task = asyncio.ensure_future(self._undo_now(plans, weight, op))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
-    async def _undo(self, plans: list[IdentifierPlan], weight: int, op: str) -> None:
-        """Undoes ``op`` in a task of its own, so a cancelled caller cannot stop it."""
-        await asyncio.shield(self._spawn_undo(plans, weight, op))
-
-    async def _undo_now(self, plans: list[IdentifierPlan], weight: int, op: str) -> None:
-        try:
-            now = await self.clock.now_us()
-            await self._protocol.decide(UNDO, plans, weight, now, op)
-        except Exception as error:  # the lease then expires by its TTL
-            logger.warning("aiolimit: could not undo op %s: %r", op, error)
-
-    async def _wait_reservation(
-        self, plans: list[IdentifierPlan], weight: int, op: str, delay: float
-    ) -> None:
-        """Sleeps until a reserved turn.
-
-        A waiter cancelled meanwhile does not give its turn back: later waiters' turns were
-        counted after it, so returning a turn in the middle of the queue would let two of
-        them through at once. The turn stays a gap.
-        """
-        self._counts["waits"] += 1
-        await self.clock.sleep(delay)
+            await clock.sleep(wait_us / 1e6 + clock.sleep_margin)
 
     def limit(
         self, ids: Identifiers, weight: int = 1, *, timeout: float | None = None
@@ -263,20 +217,22 @@ class Limiter:
 
     async def peek(self, ids: Identifiers, weight: int = 1) -> Decision:
         """The decision ``try_acquire`` would make now, charging nothing."""
-        return await self._decide(CHECK, ids, weight)
+        plans = self._rules.plans(ids)
+        return await self._decide(CHECK, plans, check_weight(weight, plans))
 
     async def refund(self, ids: Identifiers, weight: int = 1) -> Decision:
         """Gives ``weight`` back on every pair (newest charges first, never below zero)."""
         plans = self._rules.plans(ids)
-        check_weight(weight, [])
+        weight = check_weight(weight, [])
+        self._check_usable()
         self._failure.check_open()
         async with self._failure.deadline():
-            now = await self.clock.now_us()
-            return await self._protocol.decide(REFUND, plans, weight, now)
+            return await self._protocol.decide(REFUND, plans, weight)
 
     async def reset(self, ids: Identifiers) -> None:
         """Forgets everything stored for these identifiers."""
         plans = self._rules.plans(ids)
+        self._check_usable()
         for plan in plans:
             await self._store.delete(plan.keys)
 
@@ -290,9 +246,15 @@ class Limiter:
         )
 
     async def aclose(self) -> None:
-        """Closes the connections the limiter opened (not a client you passed in)."""
-        if self._background:  # undos of leases whose callers went away
-            await asyncio.gather(*self._background, return_exceptions=True)
+        """Closes the connections the limiter opened (not a client you passed in).
+
+        Undos and lease releases still running finish first. Idempotent; a closed limiter
+        raises ``UsageError`` when used.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        await self._protocol.aclose()
         await self._store.aclose()
 
     async def __aenter__(self) -> Limiter:

@@ -6,12 +6,12 @@ algorithm code in ``lua/`` judges it, and the largest weight it could ever admit
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from aiolimit._errors import ConfigurationError
+from aiolimit._validation import MAX_AMOUNT, MAX_SECONDS, check_int, check_seconds
 
 _UNITS = {
     "s": 1, "sec": 1, "second": 1, "seconds": 1,
@@ -23,8 +23,7 @@ _PARSE = re.compile(
     r"^\s*(?P<amount>\d+)\s*(?:/|per)\s*(?P<count>\d+(?:\.\d+)?)?\s*(?P<unit>[a-z]+)\s*$",
     re.IGNORECASE,
 )
-MAX_AMOUNT = 10**12
-MAX_PERIOD = 10 * 366 * 86400.0  # ten years
+MAX_PERIOD = MAX_SECONDS  # ten years
 MIN_PERIOD = 0.001
 
 
@@ -38,33 +37,44 @@ def _seconds_text(seconds: float) -> str:
 
 
 def _check_amount(kind: str, amount: object) -> int:
-    if isinstance(amount, bool) or not isinstance(amount, int):
-        raise ConfigurationError(f"{kind} amount must be an int, got {amount!r}")
-    if not 1 <= amount <= MAX_AMOUNT:
-        raise ConfigurationError(f"{kind} amount must be 1..{MAX_AMOUNT}, got {amount}")
-    return amount
+    return check_int(f"{kind} amount", amount, 1, MAX_AMOUNT)
 
 
 def _check_seconds(kind: str, name: str, value: object, *, upper: float = MAX_PERIOD) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigurationError(f"{kind} {name} must be a number of seconds, got {value!r}")
-    if not (math.isfinite(value) and MIN_PERIOD <= value <= upper):
-        raise ConfigurationError(
-            f"{kind} {name} must be between {MIN_PERIOD} and {upper:g} seconds, got {value!r}"
-        )
-    return float(value)
+    return check_seconds(f"{kind} {name}", value, MIN_PERIOD, upper)
 
 
 def _us(seconds: float) -> int:
     return round(seconds * 1_000_000)
 
 
-class WireLimit:
-    """What every limit type shares: its wire form for the scripts (set in ``__post_init__``
-    as ``_wire``) and, from it, the largest weight it could ever admit."""
+class BaseLimit:
+    """What every limit type shares; ``Decision.limit`` and ``PairDecision.limit`` are one.
+
+    Every limit says how much it admits (``amount``) per how many seconds (``per``): the
+    ``RateLimit-Policy`` header's quota and window. Its ``wire`` form is what the Lua scripts
+    judge it by, ``storage`` what it stores under (two limits of one rule may not share it),
+    and ``aux_suffix`` names the key of its own for algorithms that keep a structure apart
+    from the identifier's hash (None for the others). The limit types are the ones aiolimit
+    ships, each judged by a file in ``lua/``; this base is for typing and ``isinstance``.
+    """
 
     __slots__ = ()
     _wire: tuple[str, int, int, int]
+
+    if TYPE_CHECKING:
+
+        @property
+        def amount(self) -> int:
+            """The most it admits within ``per`` seconds (a bucket's burst, a pool's size)."""
+
+        @property
+        def per(self) -> float:
+            """Its window in seconds."""
+
+        @property
+        def storage(self) -> tuple[str | int, ...]:
+            """What it stores under."""
 
     @property
     def wire(self) -> tuple[str, int, int, int]:
@@ -76,9 +86,17 @@ class WireLimit:
         """The largest weight this limit could ever admit in one call."""
         return self._wire[1]
 
+    @property
+    def aux_suffix(self) -> str | None:
+        """The suffix of its aux key, for algorithms with a structure of their own."""
+        return None
+
+
+WireLimit = BaseLimit
+
 
 @dataclass(frozen=True, slots=True)
-class Limit(WireLimit):
+class Limit(BaseLimit):
     """At most ``amount`` units per ``per`` seconds: a sliding window counter.
 
     The window is made of buckets ``precision`` seconds wide (default: ``per``, which makes it

@@ -11,7 +11,7 @@ Resending is only safe because of what is resent: read-only ``check`` calls, and
 that carry an operation id, which the scripts apply once (see ``lua/decide.lua``).
 
 The deadline is absolute, on ``time.monotonic()``: the limiter's failure policy publishes the
-running decision's in ``aiolimit._failure.DECISION_DEADLINE``; a store falls back to a budget of
+running decision's in ``aiolimit._deadline.DECISION_DEADLINE``; a store falls back to a budget of
 its own when there is none (a limiter with ``deadline=None``).
 """
 
@@ -23,12 +23,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import anyio
-from redis import exceptions as redis_errors
-
-from aiolimit._errors import BackendUnavailable, ConfigurationError
-from aiolimit._failure import DECISION_DEADLINE
-from aiolimit._stores.base import translate_errors
+from aiolimit._connection import is_retryable, map_errors
+from aiolimit._errors import BackendUnavailable
+from aiolimit._validation import check_seconds
 
 T = TypeVar("T")
 
@@ -37,49 +34,9 @@ MAX_BACKOFF = 0.5
 #: Seconds an attempt needs at least; with less left before the deadline, give up.
 LAST_ATTEMPT = 0.02
 
-_RETRYABLE: tuple[type[BaseException], ...] = (
-    redis_errors.ConnectionError,  # also covers redis-py's MaxConnectionsError
-    redis_errors.TimeoutError,
-    redis_errors.ClusterDownError,  # CLUSTERDOWN, and MASTERDOWN (a subclass)
-    redis_errors.TryAgainError,
-    redis_errors.SlotNotCoveredError,
-    redis_errors.BusyLoadingError,  # a restarted node still loading
-    redis_errors.ReadOnlyError,  # a write reached a demoted primary
-    redis_errors.AskError,
-    redis_errors.MovedError,
-    ConnectionError,
-    TimeoutError,
-    asyncio.TimeoutError,
-)
-
-
-def current_deadline() -> float | None:
-    """The running decision's absolute deadline (``time.monotonic()``), set by the limiter."""
-    return DECISION_DEADLINE.get()
-
 
 def check_deadline_seconds(seconds: object) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise ConfigurationError(f"deadline must be seconds (a number), got {seconds!r}")
-    if not 0 < seconds <= 300:
-        raise ConfigurationError(f"deadline must be 0 < seconds <= 300, got {seconds!r}")
-    return float(seconds)
-
-
-def is_retryable(error: BaseException) -> bool:
-    """True for errors that a moment later, on a healed cluster, may not happen again."""
-    if isinstance(error, _RETRYABLE):
-        return True
-    if isinstance(error, redis_errors.ClusterError):
-        return "TTL exhausted" in str(error)
-    if isinstance(error, redis_errors.RedisClusterException):
-        # No startup node reachable right now (all restarting, or a network blip). A seed that
-        # answers but is not a cluster is a configuration error and is not retried.
-        cause = error.__context__ or error.__cause__
-        return "cannot be connected" in str(error) and isinstance(
-            cause, (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
-        )
-    return False
+    return check_seconds("deadline", seconds, 0, 300, open_low=True)
 
 
 def backoff(attempt: int) -> float:
@@ -128,7 +85,7 @@ async def call_with_retries(
                 ) from error
             if statistics is not None:
                 statistics.retries += 1
-            await anyio.sleep(pause)
+            await asyncio.sleep(pause)
         try:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -137,7 +94,7 @@ async def call_with_retries(
                 return await attempt()
         except Exception as exc:
             if not is_retryable(exc):
-                with translate_errors(address):
+                with map_errors(address):
                     raise
             error = exc
             failures += 1

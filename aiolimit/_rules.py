@@ -7,19 +7,19 @@ A plain sequence of limits is the rule ``{"*": limits}``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 from aiolimit._errors import ConfigurationError, InvalidRequestError, WeightNeverFits
 from aiolimit._keys import aux_key, identifier_kind, main_key
-from aiolimit._limits import Limit
+from aiolimit._limits import BaseLimit, Limit
+from aiolimit._validation import MAX_AMOUNT
+from aiolimit._validation import check_weight as validate_weight
 
-AnyLimit: TypeAlias = Any  # Limit or any other algorithm's value type (see _limits.py)
-LimitsArg: TypeAlias = "Sequence[AnyLimit] | Mapping[str, Sequence[AnyLimit]]"
-MAX_WEIGHT = 10**12
+LimitsArg: TypeAlias = "Sequence[BaseLimit | str] | Mapping[str, Sequence[BaseLimit | str]]"
+MAX_WEIGHT = MAX_AMOUNT
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +27,7 @@ class IdentifierPlan:
     """What one identifier contributes to a script call, with key indexes relative to it."""
 
     identifier: str
-    limits: tuple[AnyLimit, ...]
+    limits: tuple[BaseLimit, ...]
     keys: tuple[str, ...]
     # This identifier's block of the script's ARGV (see lua/decide.lua), built once.
     block: bytes
@@ -36,23 +36,19 @@ class IdentifierPlan:
     queueable: bool  # every limit is GCRA, so acquire may reserve a turn instead of retrying
 
 
-def _is_limit(value: object) -> bool:
-    return hasattr(value, "wire") and hasattr(value, "max_weight")
-
-
-def _check_limits(kind: str, limits: object) -> tuple[AnyLimit, ...]:
+def _check_limits(kind: str, limits: object) -> tuple[BaseLimit, ...]:
     if isinstance(limits, (str, bytes)) or not isinstance(limits, Iterable):
         raise ConfigurationError(f"limits for {kind!r} must be a list of limits, got {limits!r}")
     checked = tuple(Limit.parse(x) if isinstance(x, str) else x for x in limits)
     for limit in checked:
-        if not _is_limit(limit):
+        if not isinstance(limit, BaseLimit):
             raise ConfigurationError(
                 f"limits for {kind!r} must be Limit objects or strings like '10/second', "
                 f"got {limit!r}"
             )
-    seen: dict[object, AnyLimit] = {}
+    seen: dict[object, BaseLimit] = {}
     for limit in checked:
-        other = seen.setdefault(getattr(limit, "storage", limit), limit)
+        other = seen.setdefault(limit.storage, limit)
         if other is not limit:
             raise ConfigurationError(
                 f"limits for {kind!r}: {other} and {limit} would share one counter (same "
@@ -79,11 +75,11 @@ class Rules:
             rules = {"*": _check_limits("*", limits)}
         if not any(rules.values()):
             raise ConfigurationError("at least one limit must be configured")
-        self.by_kind: dict[str, tuple[AnyLimit, ...]] = rules
+        self.by_kind: dict[str, tuple[BaseLimit, ...]] = rules
         self.prefix = prefix
         self.plan = lru_cache(maxsize=65536)(self._plan)
 
-    def limits_for(self, identifier: str) -> tuple[AnyLimit, ...]:
+    def limits_for(self, identifier: str) -> tuple[BaseLimit, ...]:
         kind = identifier_kind(identifier)
         limits = self.by_kind.get(kind)
         if limits is None:
@@ -100,7 +96,7 @@ class Rules:
         keys = [main_key(self.prefix, identifier)]
         pairs: list[str | int] = []
         for limit in limits:
-            suffix = getattr(limit, "aux_suffix", None)
+            suffix = limit.aux_suffix
             aux = 0
             if suffix is not None:
                 keys.append(aux_key(self.prefix, identifier, suffix))
@@ -145,19 +141,12 @@ class Rules:
 
 def check_weight(weight: object, plans: Sequence[IdentifierPlan]) -> int:
     """A weight is a positive int no larger than the smallest limit that applies."""
-    if isinstance(weight, bool) or not isinstance(weight, int):
-        if isinstance(weight, float) and not math.isfinite(weight):
-            raise InvalidRequestError(f"weight must be a positive int, got {weight!r}")
-        raise InvalidRequestError(
-            f"weight must be a positive int, got {weight!r} ({type(weight).__name__})"
-        )
-    if weight < 1:
-        raise InvalidRequestError(f"weight must be a positive int, got {weight}")
+    checked = validate_weight(weight, None if plans else MAX_WEIGHT)
     for plan in plans:
-        if weight > plan.max_weight:
+        if checked > plan.max_weight:
             binding = min(plan.limits, key=lambda limit: limit.max_weight)
             raise WeightNeverFits(
-                f"weight {weight} can never be admitted for {plan.identifier!r}: its limit "
+                f"weight {checked} can never be admitted for {plan.identifier!r}: its limit "
                 f"{binding} admits at most {binding.max_weight} at once"
             )
-    return weight
+    return checked

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
-import anyio
-
-from aiolimit._errors import ConfigurationError
+from aiolimit._validation import check_number
 
 __all__ = ["ManualClock"]
 
@@ -22,17 +21,14 @@ class ManualClock:
 
     #: Keys judged by manual time must not expire by real time while a test runs.
     ttl_slack_ms = 3_600_000
-    #: Time moves only when told; the limiter counts waits from the decision's time.
-    virtual = True
+    #: Time moves only when told: a wait of exactly retry_after is enough.
+    sleep_margin = 0.0
 
     def __init__(self, start: float = 1_700_000_000.0, *, autojump: bool = False) -> None:
-        if isinstance(start, bool) or not isinstance(start, (int, float)):
-            raise ConfigurationError(f"ManualClock start must be seconds, got {start!r}")
-        if not (math.isfinite(start) and start >= 0):
-            raise ConfigurationError(f"ManualClock start must be finite and >= 0, got {start!r}")
+        start = check_number("ManualClock start", start, 0, 1e11)
         self._us = round(start * 1_000_000)
         self.autojump = autojump
-        self._moved: anyio.Event | None = None  # made lazily: it needs a running event loop
+        self._moved: asyncio.Event | None = None  # made lazily: it needs a running event loop
 
     def time(self) -> float:
         """The current manual time, in seconds since the epoch."""
@@ -40,8 +36,7 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         """Moves time forward by ``seconds`` (never backwards) and wakes due sleepers."""
-        if not (math.isfinite(seconds) and seconds >= 0):
-            raise ConfigurationError(f"advance takes seconds >= 0, got {seconds!r}")
+        seconds = check_number("advance", seconds, 0, 1e11)
         self._set(self._us + round(seconds * 1_000_000))
 
     def _set(self, us: int) -> None:
@@ -63,9 +58,9 @@ class ManualClock:
             self._set(wake)
         while self._us < wake:
             if self._moved is None:
-                self._moved = anyio.Event()
+                self._moved = asyncio.Event()
             await self._moved.wait()
-        await anyio.lowlevel.checkpoint()
+        await asyncio.sleep(0)
 
     def __repr__(self) -> str:
         return f"ManualClock(start={self.time()!r}, autojump={self.autojump})"

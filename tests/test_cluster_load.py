@@ -424,10 +424,10 @@ class PausingStore(ClusterStore):
 
     victim: cluster.Node
 
-    async def run_many(self, calls: Any) -> list[Any]:
-        if calls and calls[0][1][0] == "acquire" and not self.victim.paused:
+    async def run(self, calls: Any) -> list[Any]:
+        if calls and calls[0].mode == "acquire" and not self.victim.paused:
             self.victim.pause()
-        return await super().run_many(calls)
+        return await super().run(calls)
 
 
 async def test_commit_stuck_past_the_deadline_is_compensated(

@@ -11,13 +11,13 @@ import pytest
 from redis import exceptions as redis_errors
 
 from aiolimit import BackendError, BackendUnavailable, ConfigurationError
+from aiolimit._connection import is_retryable
 from aiolimit._retry import (
     FIRST_BACKOFF,
     MAX_BACKOFF,
     RetryStatistics,
     backoff,
     call_with_retries,
-    is_retryable,
 )
 
 

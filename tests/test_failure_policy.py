@@ -15,8 +15,11 @@ import pytest
 from redis.asyncio import Redis
 
 from aiolimit import BackendUnavailable, Limit, Limiter
-from aiolimit._failure import DECISION_DEADLINE, CircuitBreaker, time_left
-from aiolimit._stores.redis import RedisStore, client_from_url
+from aiolimit._connection import redis_client
+from aiolimit._deadline import DECISION_DEADLINE, time_left
+from aiolimit._failure import CircuitBreaker
+from aiolimit._stores.base import Result, ScriptCall
+from aiolimit._stores.redis import RedisStore
 from cluster import Standalone
 
 DEADLINE = 0.2
@@ -157,14 +160,14 @@ class RecordingStore(RedisStore):
         super().__init__(client, owns_client=True)
         self.seen: list[float | None] = []
 
-    async def run(self, keys: Sequence[str], args: Sequence[str | int]) -> list[int]:
+    async def run(self, calls: Sequence[ScriptCall]) -> list[Result]:
         self.seen.append(time_left())
-        return await super().run(keys, args)
+        return await super().run(calls)
 
 
 async def test_store_sees_the_decision_deadline(redis_url: str, prefix: str) -> None:
     """Inside a decision, stores see the time left in DECISION_DEADLINE; outside it is None."""
-    store = RecordingStore(client_from_url(redis_url, 2.0))
+    store = RecordingStore(redis_client(redis_url, 2.0, io_timeout=2.0))
     limiter = Limiter(store, [Limit(5, per=60)], prefix=prefix, deadline=0.5)
     try:
         await limiter.try_acquire("ip:1")
@@ -179,7 +182,7 @@ async def test_store_sees_the_decision_deadline(redis_url: str, prefix: str) -> 
 
 async def test_no_deadline_means_unbounded(redis_url: str, prefix: str) -> None:
     """deadline=None: no cancel scope, and stores see no deadline."""
-    store = RecordingStore(client_from_url(redis_url, 2.0))
+    store = RecordingStore(redis_client(redis_url, 2.0, io_timeout=2.0))
     limiter = Limiter(store, [Limit(5, per=60)], prefix=prefix, deadline=None)
     try:
         assert (await limiter.try_acquire("ip:1")).allowed

@@ -1,4 +1,4 @@
-"""The two-phase protocol (aiolimit/_protocol.py) alone, with an in-memory runner.
+"""The two-phase protocol (aiolimit/_protocol.py) alone, with an in-memory store.
 
 No server: ``FakeSlots`` interprets the script's calling convention (lua/decide.lua) for plain
 counters (one per identifier and limit, no time), op records included, and lets a test step
@@ -13,9 +13,11 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from aiolimit import BackendUnavailable, Limit
+from aiolimit._calls import Call, Mode
+from aiolimit._clock import ServerClock
 from aiolimit._protocol import Protocol
 from aiolimit._rules import Rules
-from aiolimit._wire import Call
+from aiolimit._stores.base import Store
 
 LIMITS = [Limit(3, per=60), Limit(5, per=3600)]
 SLOTS = {"a": 1, "b": 2, "c": 3, "a2": 1}
@@ -27,10 +29,14 @@ class LostReply(ConnectionError):
     """The call ran on the server but its reply never came back."""
 
 
-class FakeSlots:
+class FakeSlots(Store):
     """Counters per (main key, limit) and op records, judged the way decide.lua judges."""
 
+    address = "fake://"
+    single_slot = False
+
     def __init__(self) -> None:
+        self.retries_calls = True
         self.used: dict[tuple[str, str], int] = {}
         self.ops: dict[str, str] = {}  # op key -> 'A' applied, 'R' undone
         self.sent: list[tuple[str, str]] = []  # (mode, first identifier) in send order
@@ -86,7 +92,19 @@ class FakeSlots:
             self.after(mode, call)
         return reply
 
-    async def run(self, calls: Sequence[Call]) -> list[list[int] | BaseException]:
+    def slot(self, key: str) -> int:
+        return SLOTS[key.split("{")[1].split("}")[0]]
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def default_clock(self) -> ServerClock:
+        return ServerClock()
+
+    async def aclose(self) -> None:
+        return None
+
+    async def run(self, calls: Sequence[Call]) -> list[list[int] | BaseException]:  # type: ignore[override]
         results: list[list[int] | BaseException] = []
         for call in calls:
             try:
@@ -110,16 +128,14 @@ def slots() -> FakeSlots:
 
 
 def protocol(slots: FakeSlots, *, op_ids: bool = True) -> Protocol:
-    def slot_of(key: str) -> int:
-        return SLOTS[key.split("{")[1].rstrip("}")]
-
-    return Protocol(slots.run, slot_of, 0, False, always_op_ids=op_ids)
+    slots.retries_calls = op_ids
+    return Protocol(slots, ServerClock())
 
 
 async def test_one_slot_is_one_call_without_a_check_phase(slots: FakeSlots, rules: Rules) -> None:
     """Identifiers sharing a slot are decided by a single acquire call, no check phase."""
     proto = protocol(slots)
-    decision = await proto.decide("acquire", rules.plans(["a", "a2"]), 1, None)
+    decision = await proto.decide(Mode.ACQUIRE, rules.plans(["a", "a2"]), 1)
     assert decision.allowed
     assert slots.modes() == ["acquire"]
     assert proto.statistics.single_slot == 1
@@ -133,8 +149,8 @@ async def test_every_charging_call_gets_an_op_id_when_the_store_retries(
     seen: list[Call] = []
     slots.before = lambda mode, call: seen.append(call)
     proto = protocol(slots)
-    await proto.decide("acquire", rules.plans(["a"]), 1, None)
-    await proto.decide("check", rules.plans(["a"]), 1, None)
+    await proto.decide(Mode.ACQUIRE, rules.plans(["a"]), 1)
+    await proto.decide(Mode.CHECK, rules.plans(["a"]), 1)
     acquire, check = seen
     assert acquire.args[4] and acquire.keys[-1].endswith(":op:" + str(acquire.args[4]))
     assert check.args[4] == ""
@@ -143,7 +159,7 @@ async def test_every_charging_call_gets_an_op_id_when_the_store_retries(
 async def test_all_slots_admitted_charges_every_slot_once(slots: FakeSlots, rules: Rules) -> None:
     """Across slots: check on every slot, then one commit per slot, and every pair charged."""
     proto = protocol(slots)
-    decision = await proto.decide("acquire", rules.plans(["a", "b", "c"]), 2, None)
+    decision = await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b", "c"]), 2)
     assert decision.allowed
     assert slots.modes() == ["check"] * 3 + ["acquire"] * 3
     assert set(slots.used.values()) == {2}
@@ -155,7 +171,7 @@ async def test_refusal_at_check_writes_nothing(slots: FakeSlots, rules: Rules) -
     slots.fill("b", rules)
     before = dict(slots.used)
     proto = protocol(slots)
-    decision = await proto.decide("acquire", rules.plans(["a", "b", "c"]), 1, None)
+    decision = await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b", "c"]), 1)
     assert not decision.allowed
     assert slots.modes() == ["check"] * 3
     assert slots.used == before
@@ -173,7 +189,7 @@ async def test_refused_commit_undoes_the_other_slots(slots: FakeSlots, rules: Ru
 
     slots.before = race
     proto = protocol(slots)
-    decision = await proto.decide("acquire", rules.plans(["a", "b", "c"]), 1, None)
+    decision = await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b", "c"]), 1)
     assert not decision.allowed
     undone = sorted(ident for mode, ident in slots.sent if mode == "undo")
     assert undone == ["a", "c"]  # b refused, so it charged nothing and needs no undo
@@ -193,7 +209,7 @@ async def test_error_mid_commit_undoes_then_raises(slots: FakeSlots, rules: Rule
     slots.after = lose  # c's commit ran, only its reply is lost
     proto = protocol(slots)
     with pytest.raises(LostReply):
-        await proto.decide("acquire", rules.plans(["a", "b", "c"]), 1, None)
+        await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b", "c"]), 1)
     assert sorted(ident for mode, ident in slots.sent if mode == "undo") == ["a", "b", "c"]
     assert set(slots.used.values()) == {0}
     assert proto.statistics.compensations == 1
@@ -219,7 +235,7 @@ async def test_undo_before_a_late_commit_blocks_it(slots: FakeSlots, rules: Rule
 
     slots.execute = record  # type: ignore[method-assign]
     with pytest.raises(LostReply):
-        await proto.decide("acquire", rules.plans(["a", "b"]), 1, None)
+        await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b"]), 1)
     slots.before = None
     reply = original(late[0])  # the lost commit finally reaches the server
     assert reply[:2] == [0, 1]  # refused, as a replay of a cancelled op
@@ -238,7 +254,7 @@ async def test_failed_undo_is_counted_and_raised(slots: FakeSlots, rules: Rules)
     slots.before = chaos
     proto = protocol(slots)
     with pytest.raises(BackendUnavailable):
-        await proto.decide("acquire", rules.plans(["a", "b"]), 1, None)
+        await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b"]), 1)
     assert proto.statistics.compensations == 1
     assert proto.statistics.compensation_errors == 1
 
@@ -246,9 +262,9 @@ async def test_failed_undo_is_counted_and_raised(slots: FakeSlots, rules: Rules)
 async def test_statistics_count_slots_per_call(slots: FakeSlots, rules: Rules) -> None:
     """slots_per_call histograms multi-slot decisions by their number of slots."""
     proto = protocol(slots)
-    await proto.decide("acquire", rules.plans(["a", "b"]), 1, None)
-    await proto.decide("acquire", rules.plans(["a", "b", "c"]), 1, None)
-    await proto.decide("acquire", rules.plans(["a", "a2"]), 1, None)
+    await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b"]), 1)
+    await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b", "c"]), 1)
+    await proto.decide(Mode.ACQUIRE, rules.plans(["a", "a2"]), 1)
     stats = proto.statistics
     assert (stats.single_slot, stats.multi_slot) == (1, 2)
     assert stats.slots_per_call == {2: 1, 3: 1}
@@ -270,14 +286,14 @@ async def test_a_deadline_during_the_commit_still_undoes_every_slot(
             await release.wait()  # ... but their replies never arrive in time
         return results
 
-    proto._run = slow_commits
+    slots.run = slow_commits  # type: ignore[method-assign]
     plans = rules.plans(["a", "b", "c"])
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.05):
-            await proto.decide("acquire", plans, 1, None)
+            await proto.decide(Mode.ACQUIRE, plans, 1)
     await asyncio.sleep(0)  # let the undo task run to completion
     for _ in range(5):
-        if not proto._undoing:
+        if not proto._tasks:
             break
         await asyncio.sleep(0.01)
     assert slots.modes()[-3:] == ["undo", "undo", "undo"]

@@ -1,23 +1,34 @@
-"""Opening a store from what the user passed: a URL or a client object."""
+"""Stores: the transports that run the decision script (``base.Store``), and opening one.
+
+- ``redis.py``: one Redis (or Valkey) server, EVALSHA pipelined per event-loop tick;
+- ``cluster.py``: Redis Cluster, one pipeline per node per tick, retries within the deadline;
+- ``memory.py``: ``memory://``, the same scripts in-process (``aiolimit._embedded``);
+- ``batching.py``: the tick batcher both Redis stores share.
+"""
 
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from aiolimit._connection import (
+    CLUSTER_SCHEMES,
+    MEMORY_SCHEME,
+    REDIS_SCHEMES,
+    SCHEMES,
+    redact,
+    redis_client,
+    scheme_of,
+)
 from aiolimit._errors import ConfigurationError
 from aiolimit._stores.base import Store
-
-REDIS_SCHEMES = ("redis", "rediss", "unix")
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-SCHEMES = (*REDIS_SCHEMES, *CLUSTER_SCHEMES, "memory")
-
+from aiolimit._validation import check_seconds
 
 #: Seconds per decision when the limiter is not told: a cluster rides through a failover
-#: (2-3 s) within its deadline; a single server answers fast or not at all.
+#: (2-3 s with cluster-node-timeout 1000 ms) within its deadline; a single server answers
+#: fast or not at all.
 DEFAULT_DEADLINE = 1.0
 CLUSTER_DEFAULT_DEADLINE = 5.0
 
@@ -28,13 +39,14 @@ def default_deadline(store: object) -> float:
         isinstance(store, Store) and not store.single_slot
     )
     if isinstance(store, str):
-        clustered = urlsplit(store).scheme.lower() in CLUSTER_SCHEMES
+        clustered = scheme_of(store) in CLUSTER_SCHEMES
     return CLUSTER_DEFAULT_DEADLINE if clustered else DEFAULT_DEADLINE
 
 
 def open_store(
     store: str | Any, *, socket_timeout: float, bounded_by_deadline: bool = False
 ) -> Store:
+    """The store for what the user passed: a URL, a redis-py client, or a ``Store``."""
     if isinstance(store, Store):
         return store
     if isinstance(store, Redis):
@@ -50,40 +62,23 @@ def open_store(
             "store must be a URL or a redis.asyncio.Redis / RedisCluster client, "
             f"got {type(store).__name__}"
         )
-    if isinstance(socket_timeout, bool) or not (
-        isinstance(socket_timeout, (int, float)) and 0 < socket_timeout <= 300
-    ):
-        raise ConfigurationError(
-            f"socket_timeout must be 0 < seconds <= 300, got {socket_timeout!r}"
-        )
-    scheme = urlsplit(store).scheme.lower()
+    socket_timeout = check_seconds("socket_timeout", socket_timeout, 0, 300, open_low=True)
+    scheme = scheme_of(store)
     if scheme in REDIS_SCHEMES:
-        from aiolimit._stores.redis import RedisStore, client_from_url
+        from aiolimit._stores.redis import RedisStore
 
-        try:
-            io_timeout = None if bounded_by_deadline else socket_timeout
-            client = client_from_url(store, socket_timeout, io_timeout=io_timeout)
-        except ValueError as exc:
-            raise ConfigurationError(f"invalid Redis URL {store!r}: {exc}") from exc
-        return RedisStore(client, owns_client=True, address=_redact(store))
+        io_timeout = None if bounded_by_deadline else socket_timeout
+        client = redis_client(store, socket_timeout, io_timeout=io_timeout)
+        return RedisStore(client, owns_client=True, address=redact(store))
     if scheme in CLUSTER_SCHEMES:
         from aiolimit._stores.cluster import ClusterStore
 
         return ClusterStore.from_url(store, socket_timeout=socket_timeout)
-    if scheme == "memory":
+    if scheme == MEMORY_SCHEME:
         from aiolimit._stores.memory import MemoryStore
 
         return MemoryStore()
     raise ConfigurationError(
-        f"unknown store URL scheme {scheme!r} in {_redact(store)!r}; "
+        f"unknown store URL scheme {scheme!r} in {redact(store)!r}; "
         f"expected one of {', '.join(s + '://' for s in SCHEMES)}"
     )
-
-
-def _redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return parts._replace(netloc=netloc).geturl()

@@ -7,14 +7,13 @@ without awaiting, so under asyncio every decision is atomic, as on Redis.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
-import anyio
-
+from aiolimit._calls import decide_script
 from aiolimit._clock import Clock, LocalClock
 from aiolimit._errors import ConfigurationError
-from aiolimit._scripts import decide_script
-from aiolimit._stores.base import Arg, Reply, Store
+from aiolimit._stores.base import Result, ScriptCall, Store
 
 
 class MemoryStore(Store):
@@ -33,10 +32,14 @@ class MemoryStore(Store):
         self._script = decide_script()
         self._sha = self.engine.script_load(self._script.source)
 
-    async def run(self, keys: Sequence[str], args: Sequence[Arg]) -> Reply:
-        reply: Reply = self.engine.evalsha(self._sha, keys, args)
-        await anyio.lowlevel.checkpoint()
-        return reply
+    loop_bound = False
+
+    async def run(self, calls: Sequence[ScriptCall]) -> list[Result]:
+        results: list[Result] = [
+            self.engine.evalsha(self._sha, call.keys, call.args) for call in calls
+        ]
+        await asyncio.sleep(0)
+        return results
 
     async def delete(self, keys: Sequence[str]) -> None:
         self.engine.delete(*keys)

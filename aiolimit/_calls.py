@@ -1,24 +1,54 @@
-"""The decision script's calling convention (see the header of ``lua/decide.lua``).
+"""The decision script: loading it, and its calling convention (see ``lua/decide.lua``).
 
-Pure functions: a list of identifier plans becomes KEYS and ARGV, and a reply becomes per-pair
-verdicts. Nothing here talks to a server, so the protocol and the tests can use it freely.
+The only module that knows the script's KEYS and ARGV layout and its reply shape. A list of
+identifier plans becomes a ``Call`` (its mode, KEYS and ARGV), and a reply becomes per-pair
+verdicts. Pure functions: nothing here talks to a server, so the protocol and the tests use
+them freely; stores send a ``Call``'s ``keys`` and ``args`` as they are and never read them.
+
+``lua/`` is the single source of truth for the algorithms. Its files are concatenated in a
+fixed order (the prelude, every algorithm, then the ``decide`` entry point) into one script,
+so one call judges any mix of algorithms atomically; it is read and hashed once per process.
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
 
 from aiolimit._decision import Decision, PairDecision
 from aiolimit._rules import IdentifierPlan
-from aiolimit._stores.base import Arg
 
-ACQUIRE = "acquire"
-CHECK = "check"
-REFUND = "refund"
-UNDO = "undo"
-RELEASE = "release"
-RENEW = "renew"
+#: One script argument (identifier blocks are pre-encoded bytes).
+Arg = str | int | bytes
+#: A raw script reply: a flat list of integers.
+RawReply = list[int]
+
+
+class Mode(enum.StrEnum):
+    """What a call asks of the script (ARGV[1])."""
+
+    ACQUIRE = "acquire"  # decide; charge every pair only if every pair allows
+    CHECK = "check"  # decide; write nothing
+    REFUND = "refund"  # give weight back (newest charges first)
+    UNDO = "undo"  # credit exactly what an acquire op charged, once
+    RELEASE = "release"  # drop an op's concurrency leases
+    RENEW = "renew"  # extend an op's concurrency leases
+
+    @property
+    def writes(self) -> bool:
+        return self is not Mode.CHECK
+
+
+ACQUIRE = Mode.ACQUIRE
+CHECK = Mode.CHECK
+REFUND = Mode.REFUND
+UNDO = Mode.UNDO
+RELEASE = Mode.RELEASE
+RENEW = Mode.RENEW
 PAIR_FIELDS = 5  # per pair within a block: aux, algorithm, amount, period, param
 REPLY_HEAD = 3
 REPLY_PER_PAIR = 4
@@ -26,8 +56,9 @@ REPLY_PER_PAIR = 4
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One script call: its keys and arguments, and the plans they came from."""
+    """One script call: its mode, keys and arguments, and the plans they came from."""
 
+    mode: Mode
     keys: list[str]
     args: list[Arg]
     plans: Sequence[IdentifierPlan]
@@ -44,7 +75,7 @@ class Reply:
 
 
 def encode(
-    mode: str,
+    mode: Mode,
     plans: Sequence[IdentifierPlan],
     weight: int,
     now_us: int | None,
@@ -57,7 +88,7 @@ def encode(
     if max_wait_us > 0:
         flags += f"r{max_wait_us}"
     args: list[Arg] = [
-        mode, "" if now_us is None else now_us, weight, slack_ms, op, flags, len(plans)
+        mode.value, "" if now_us is None else now_us, weight, slack_ms, op, flags, len(plans)
     ]  # fmt: skip
     if len(plans) == 1:
         plan = plans[0]
@@ -70,7 +101,7 @@ def encode(
             args.append(plan.block)
     if op:
         keys.append(plans[0].keys[0] + ":op:" + op)  # same hash tag: same slot
-    return Call(keys, args, plans)
+    return Call(mode, keys, args, plans)
 
 
 def decode(call: Call, raw: Sequence[int]) -> Reply:
@@ -119,3 +150,35 @@ def decision(reply: Reply) -> Decision:
         # The script's all-or-nothing verdict is authoritative (e.g. a replayed op).
         merged = replace(merged, allowed=reply.allowed)
     return merged
+
+
+# --- loading the script ------------------------------------------------------------------
+
+# Order matters: algorithms register themselves in ALGORITHMS, defined by the prelude.
+ALGORITHM_FILES = ("sliding_window.lua", "gcra.lua", "sliding_log.lua", "concurrency.lua")
+SCRIPT_FILES = ("prelude.lua", *ALGORITHM_FILES, "decide.lua")
+
+
+def lua_dir() -> Path:
+    """``aiolimit/lua`` in an installed wheel, else ``lua/`` beside the package (a checkout)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "lua", here.parent / "lua"):
+        if (candidate / "decide.lua").is_file():
+            return candidate
+    raise FileNotFoundError(f"aiolimit's Lua scripts are missing (looked in {here}/lua and ../lua)")
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """A script's source and SHA1, as EVALSHA and SCRIPT LOAD want them."""
+
+    source: str
+    sha: str
+
+
+@cache
+def decide_script() -> Script:
+    """The decision script (built once per process)."""
+    base = lua_dir()
+    source = "\n".join((base / name).read_text(encoding="utf-8") for name in SCRIPT_FILES)
+    return Script(source, hashlib.sha1(source.encode("utf-8")).hexdigest())

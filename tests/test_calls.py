@@ -5,9 +5,8 @@ and decode() reads its reply. Pure: the one script run here is the embedded stor
 from __future__ import annotations
 
 from aiolimit import Limit, Limiter, SlidingLog
+from aiolimit._calls import ACQUIRE, CHECK, decide_script, decision, decode, encode, parse_args
 from aiolimit._rules import Rules
-from aiolimit._scripts import decide_script
-from aiolimit._wire import ACQUIRE, CHECK, decision, decode, encode, parse_args
 
 NOW_US = 1_700_000_000_250_000
 PER_SECOND = Limit(10, per=1)
