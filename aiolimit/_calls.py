@@ -99,8 +99,6 @@ def encode(
         for plan in plans:
             keys += plan.keys
             args.append(plan.block)
-    if op:
-        keys.append(plans[0].keys[0] + ":op:" + op)  # same hash tag: same slot
     return Call(mode, keys, args, plans)
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from aiolimit._calls import RELEASE, RENEW
 
 if TYPE_CHECKING:
+    from aiolimit._ops import Op
     from aiolimit._protocol import Protocol
     from aiolimit._rules import IdentifierPlan
 
@@ -22,29 +23,30 @@ class Lease:
     ``lease_ttl``; ``renew()`` restarts that time for long holders.
     """
 
-    __slots__ = ("_plans", "_protocol", "_weight", "op_id", "released")
+    __slots__ = ("_op", "_plans", "_protocol", "_weight", "op_id", "released")
 
     def __init__(
-        self, protocol: Protocol, plans: Sequence[IdentifierPlan], weight: int, op_id: str
+        self, protocol: Protocol, plans: Sequence[IdentifierPlan], weight: int, op: Op
     ) -> None:
         self._protocol = protocol
         self._plans = plans
         self._weight = weight
-        self.op_id = op_id
+        self._op = op
+        self.op_id = op.id
         self.released = False
 
     async def release(self) -> None:
         """Gives the slots back (idempotent; finishes even if the caller is cancelled)."""
         if self.released:
             return
-        await self._protocol.lease_call(RELEASE, self._plans, self._weight, self.op_id)
+        await self._protocol.lease_call(RELEASE, self._plans, self._weight, self._op)
         self.released = True
 
     async def renew(self) -> None:
         """Restarts the lease's time to live."""
         if self.released:
             raise RuntimeError("cannot renew a released lease")
-        await self._protocol.lease_call(RENEW, self._plans, self._weight, self.op_id)
+        await self._protocol.lease_call(RENEW, self._plans, self._weight, self._op)
 
     async def __aenter__(self) -> Lease:
         return self

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
-from aiolimit._calls import ACQUIRE, CHECK, REFUND, Mode
+from aiolimit._calls import ACQUIRE, CHECK, Mode
 from aiolimit._clock import Clock
 from aiolimit._decision import Decision
 from aiolimit._errors import (
@@ -227,7 +227,7 @@ class Limiter:
         self._check_usable()
         self._failure.check_open()
         async with self._failure.deadline():
-            return await self._protocol.decide(REFUND, plans, weight)
+            return await self._protocol.refund(plans, weight)
 
     async def reset(self, ids: Identifiers) -> None:
         """Forgets everything stored for these identifiers."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -40,6 +39,7 @@ from typing import Any, TypeVar
 from aiolimit._calls import (
     ACQUIRE,
     CHECK,
+    REFUND,
     RELEASE,
     RENEW,
     UNDO,
@@ -55,14 +55,19 @@ from aiolimit._clock import Clock
 from aiolimit._deadline import DECISION_DEADLINE
 from aiolimit._decision import Decision
 from aiolimit._lease import Lease
+from aiolimit._ops import Op, OpLedger
+from aiolimit._retry import backoff
 from aiolimit._rules import IdentifierPlan
 from aiolimit._stores.base import Store
 
 T = TypeVar("T")
 logger = logging.getLogger("aiolimit")
 
-#: Seconds an undo (or a lease release) may take, retries included, once its caller is gone.
+#: Seconds one attempt of an undo (or a lease release) may take once its caller is gone.
 UNDO_BUDGET = 5.0
+#: Seconds an undo is retried while the store does not answer. A stopped or partitioned
+#: server that comes back within it ends up exactly as if the failed decision never happened.
+UNDO_PATIENCE = 300.0
 
 
 @dataclass(slots=True)
@@ -75,10 +80,6 @@ class ProtocolStatistics:
     compensations: int = 0
     compensation_errors: int = 0
     slots_per_call: dict[int, int] = field(default_factory=dict)
-
-
-def new_op_id() -> str:
-    return uuid.uuid4().hex
 
 
 def group_by_slot(plans: Sequence[IdentifierPlan], slot_of: Any) -> list[Sequence[IdentifierPlan]]:
@@ -101,16 +102,22 @@ def _first_error(results: Sequence[RawReply | BaseException]) -> BaseException |
 
 
 class Protocol:
-    """Decides over any set of identifier plans on ``store``, judged by ``clock``."""
+    """Decides over any set of identifier plans on ``store``, judged by ``clock``.
 
-    def __init__(self, store: Store, clock: Clock, *, penalty: bool = False) -> None:
+    ``undo_patience`` bounds, in seconds, how long an undo is retried while the store does
+    not answer; past it the op is given up (logged, counted in ``compensation_errors``).
+    """
+
+    def __init__(
+        self, store: Store, clock: Clock, *, penalty: bool = False,
+        undo_patience: float = UNDO_PATIENCE,
+    ) -> None:  # fmt: skip
         self._store = store
         self._clock = clock
         self._slack_ms = clock.ttl_slack_ms
         self._penalty = penalty
-        # A store that may resend a call after a lost reply gets an op id on every charging
-        # call, which the script applies once.
-        self._always_op_ids = store.retries_calls
+        self._patience = undo_patience
+        self.ops = OpLedger()
         self.statistics = ProtocolStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -123,11 +130,13 @@ class Protocol:
 
     def _calls(
         self, mode: Mode, groups: Sequence[Sequence[IdentifierPlan]], weight: int,
-        now_us: int | None, op: str = "", max_wait_us: int = 0,
+        now_us: int | None, op: Op | None = None, max_wait_us: int = 0,
     ) -> list[Call]:  # fmt: skip
         slack, penalty = self._slack_ms, self._penalty
+        wire = "" if op is None else op.wire
         return [
-            encode(mode, group, weight, now_us, slack, op, penalty, max_wait_us) for group in groups
+            encode(mode, group, weight, now_us, slack, wire, penalty, max_wait_us)
+            for group in groups
         ]
 
     async def _replies(self, calls: Sequence[Call]) -> list[Reply]:
@@ -140,17 +149,16 @@ class Protocol:
     # --- decisions --------------------------------------------------------------------------
 
     async def decide(
-        self, mode: Mode, plans: Sequence[IdentifierPlan], weight: int, op: str = "",
+        self, mode: Mode, plans: Sequence[IdentifierPlan], weight: int, op: Op | None = None,
         max_wait_us: int = 0,
     ) -> Decision:  # fmt: skip
         """Runs ``mode`` (see ``lua/decide.lua``) over every plan, all or nothing.
 
         ``max_wait_us`` > 0 lets queueable (GCRA) pairs reserve a turn within that wait; the
-        delay comes back as the pairs' ``retry_after`` on an allowed decision.
+        delay comes back as the pairs' ``retry_after`` on an allowed decision. An acquire
+        needs an ``op``; ``acquire`` is the safe way to make one.
         """
         now_us = await self._clock.now_us()
-        if not op and self._always_op_ids and mode.writes:
-            op = new_op_id()
         groups = self._groups(plans)
         if len(groups) == 1:
             self.statistics.single_slot += 1
@@ -160,10 +168,11 @@ class Protocol:
         counts = self.statistics.slots_per_call
         counts[len(groups)] = counts.get(len(groups), 0) + 1
         if mode is not ACQUIRE:
-            # check and refund touch each slot independently; there is nothing to undo.
+            # check, refund and undo touch each slot independently.
             calls = self._calls(mode, groups, weight, now_us, op, max_wait_us)
             return _merge(await self._replies(calls))
-        return await self._two_phase(groups, weight, now_us, op or new_op_id(), max_wait_us)
+        assert op is not None
+        return await self._two_phase(groups, weight, now_us, op, max_wait_us)
 
     async def acquire(
         self, plans: Sequence[IdentifierPlan], weight: int, max_wait_us: int = 0
@@ -171,28 +180,44 @@ class Protocol:
         """Admits and charges, or charges nothing; an admission under a ``Concurrency`` limit
         carries its ``Lease``.
 
-        A lease-taking call that fails or whose caller goes away may still have taken its
-        lease on the server: it is undone in the background (an undo of an op never applied
-        only tombstones it).
+        What the caller is told is what is stored. If the call fails in any way (a store
+        error, the deadline, a cancellation) it may still have charged, or may charge later
+        (a reply lost after the server ran it; a stopped server that runs it when resumed).
+        So its op is undone in the background until the store answers: the undo credits
+        exactly what the op charged, or, if the op has not run, blocks it, and once the undo
+        is answered every later call acks past the op, so a copy arriving later still charges
+        nothing. A client that resends a call by itself resends the same op, which replays.
         """
-        leases = any(plan.has_leases for plan in plans)
-        op = new_op_id() if leases or max_wait_us else ""
+        keys = [plan.keys[0] for plan in plans]
+        op = self.ops.open(keys)
         try:
             result = await self.decide(ACQUIRE, plans, weight, op, max_wait_us)
-        except BaseException:
-            if leases:
-                self._spawn(self._undo_op(plans, weight, op))
+        except BaseException as error:
+            if getattr(error, "_aiolimit_undone", None) == op.stamp:
+                self.ops.settle(keys, op)  # the two phases undid it already
+            else:
+                self._spawn(self._settle(plans, weight, op, keys))
             raise
-        if leases and result.allowed:
+        self.ops.settle(keys, op)
+        if result.allowed and any(plan.has_leases for plan in plans):
             result = replace(result, lease=Lease(self, plans, weight, op))
         return result
 
+    async def refund(self, plans: Sequence[IdentifierPlan], weight: int) -> Decision:
+        """Gives ``weight`` back on every pair, once (a resent copy replays)."""
+        keys = [plan.keys[0] for plan in plans]
+        op = self.ops.open(keys)
+        try:
+            return await self.decide(REFUND, plans, weight, op)
+        finally:
+            self.ops.settle(keys, op)
+
     async def _two_phase(
         self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, now_us: int | None,
-        op: str, max_wait_us: int,
+        op: Op, max_wait_us: int,
     ) -> Decision:  # fmt: skip
         if not self._penalty:
-            checks = self._calls(CHECK, groups, weight, now_us, "", max_wait_us)
+            checks = self._calls(CHECK, groups, weight, now_us, None, max_wait_us)
             checked = await self._replies(checks)
             if not all(reply.allowed for reply in checked):
                 self.statistics.refused_at_check += 1
@@ -201,40 +226,39 @@ class Protocol:
         try:
             results = await self._store.run(calls)
         except BaseException:
-            # Cancelled or out of time with the commits in flight: any of them may have
-            # charged. Undo every slot (an undo of an op never applied only tombstones it).
+            # Cancelled or out of time with the commits in flight: ``acquire`` undoes them.
             self.statistics.compensations += 1
-            self._spawn(self._compensate(calls, weight, op))
             raise
-        replies: list[Reply | None] = [
-            None if isinstance(result, BaseException) else decode(call, result)
-            for call, result in zip(calls, results, strict=True)
-        ]
         error = _first_error(results)
-        if error is None and all(reply is not None and reply.allowed for reply in replies):
-            return _merge([reply for reply in replies if reply is not None])
-        if self._penalty and error is None:
-            return _merge([reply for reply in replies if reply is not None])
-        # Undo the op on every slot whose commit may have charged (allowed, or no reply at
-        # all). Slots that refused charged nothing; they are skipped to save a round trip.
-        self.statistics.compensations += 1
-        undo = [
-            call
-            for call, reply in zip(calls, replies, strict=True)
-            if reply is None or reply.allowed
-        ]
-        await self._shielded(self._compensate(undo, weight, op))
         if error is not None:
+            # A commit may have charged: undo every slot that did not refuse, before the
+            # caller hears of the error. If that undo fails too, ``acquire`` keeps trying.
+            self.statistics.compensations += 1
+            undo = [
+                call
+                for call, result in zip(calls, results, strict=True)
+                if isinstance(result, BaseException) or decode(call, result).allowed
+            ]
+            await self._shielded(self._compensate(undo, weight, op))
+            error._aiolimit_undone = op.stamp  # type: ignore[attr-defined]
             raise error
-        return _merge([reply for reply in replies if reply is not None])
+        replies = [decode(call, result) for call, result in zip(calls, results, strict=True)]  # type: ignore[arg-type]
+        if all(reply.allowed for reply in replies) or self._penalty:
+            return _merge(replies)
+        # Another client won the race between the phases: undo the slots that charged (the
+        # others charged nothing). If that undo fails, ``acquire`` undoes them all.
+        self.statistics.compensations += 1
+        undo = [call for call, reply in zip(calls, replies, strict=True) if reply.allowed]
+        await self._shielded(self._compensate(undo, weight, op))
+        return _merge(replies)
 
     # --- undo, release, renew ---------------------------------------------------------------
 
-    async def _compensate(self, calls: Sequence[Call], weight: int, op: str) -> None:
-        """Undoes ``op`` on the slots of ``calls``; raises the first error."""
+    async def _compensate(self, calls: Sequence[Call], weight: int, op: Op) -> None:
+        """Undoes ``op`` on the slots of ``calls`` once; raises the first error."""
         try:
             now_us = await self._clock.now_us()
-            undos = [encode(UNDO, call.plans, weight, now_us, self._slack_ms, op) for call in calls]
+            undos = self._calls(UNDO, [call.plans for call in calls], weight, now_us, op)
             error = _first_error(await self._store.run(undos))
         except Exception as exc:
             error = exc
@@ -242,44 +266,73 @@ class Protocol:
             self.statistics.compensation_errors += 1
             raise error
 
-    async def _undo_op(self, plans: Sequence[IdentifierPlan], weight: int, op: str) -> None:
-        """Undoes ``op`` over ``plans``, whatever their slots (a lease whose caller left)."""
+    async def _settle(
+        self, plans: Sequence[IdentifierPlan], weight: int, op: Op, keys: Sequence[str]
+    ) -> None:
+        """Undoes ``op`` over ``plans`` until the store answers (``undo_patience`` at most);
+        then the op is settled and later calls ack past it."""
+        give_up = time.monotonic() + self._patience
+        attempt = 0
         try:
-            await self.decide(UNDO, plans, weight, op)
-        except Exception as error:  # the lease then expires by its TTL
-            logger.warning("aiolimit: could not undo op %s: %s", op, error)
+            while True:
+                left = give_up - time.monotonic()
+                budget = min(UNDO_BUDGET, max(left, 0.001))
+                try:
+                    DECISION_DEADLINE.set(time.monotonic() + budget)
+                    async with asyncio.timeout(budget):
+                        await self.decide(UNDO, plans, weight, op)
+                    return
+                except Exception as error:
+                    pause = backoff(attempt)
+                    attempt += 1
+                    if time.monotonic() + pause >= give_up:
+                        self.statistics.compensation_errors += 1
+                        logger.warning(
+                            "aiolimit: gave up undoing op %s after %d attempts: %s",
+                            op.id, attempt, error,
+                        )  # fmt: skip
+                        return
+                await asyncio.sleep(pause)
+        finally:
+            self.ops.settle(keys, op)
 
     async def lease_call(
-        self, mode: Mode, plans: Sequence[IdentifierPlan], weight: int, op: str
+        self, mode: Mode, plans: Sequence[IdentifierPlan], weight: int, op: Op
     ) -> Decision:
         """Releases or renews the leases of ``op``; a release finishes even if its caller
         is cancelled."""
         assert mode in (RELEASE, RENEW)
         if mode is RENEW:
-            return await self.decide(RENEW, plans, weight, op)
-        return await self._shielded(self.decide(RELEASE, plans, weight, op))
+            return await self.decide(RENEW, plans, weight, op.resent())
+        return await self._shielded(self.decide(RELEASE, plans, weight, op.resent()))
 
     def _spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """Runs ``work`` in a task of its own with a budget of its own (``UNDO_BUDGET``)."""
-
-        async def bounded() -> T:
-            DECISION_DEADLINE.set(time.monotonic() + UNDO_BUDGET)
-            async with asyncio.timeout(UNDO_BUDGET):
-                return await work
-
-        task = asyncio.ensure_future(bounded())
+        """Runs ``work`` in a task of its own (it sets its own deadline)."""
+        task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_retrieve)
         return task
 
     async def _shielded(self, work: Coroutine[Any, Any, T]) -> T:
-        """Runs ``work`` to its end: a cancellation of the caller stops the wait, not the work."""
-        return await asyncio.shield(self._spawn(work))
+        """Runs ``work`` to its end within ``UNDO_BUDGET``: a cancellation of the caller
+        stops the wait, not the work."""
 
-    async def aclose(self) -> None:
-        """Waits for the undos and releases still running (each within its budget)."""
-        while self._tasks:
+        async def bounded() -> T:
+            DECISION_DEADLINE.set(time.monotonic() + UNDO_BUDGET)
+            async with asyncio.timeout(UNDO_BUDGET):
+                return await work
+
+        return await asyncio.shield(self._spawn(bounded()))
+
+    async def aclose(self, grace: float = UNDO_BUDGET) -> None:
+        """Waits up to ``grace`` seconds for the undos and releases still running, then stops them
+        (their ops stay charged if they ran: the store never answered)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 

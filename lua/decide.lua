@@ -95,8 +95,11 @@ for i = 1, npairs do
   pairs_[i].s = s
 end
 
+local op_prune
+
 local function flush()
   for _, s in ipairs(mains) do
+    if s.dirty and op_prune then op_prune(s) end
     if s.dirty then
       local t = now_for(s)
       stage_set(s, 't', fmt(t))
@@ -122,18 +125,77 @@ local function flush()
   end
 end
 
-local op_key = nil
-if op ~= '' then op_key = KEYS[#KEYS] end
-
-local function op_record()
-  if not op_key then return nil end
-  local rec = redis.call('GET', op_key)
-  if not rec then return nil end
-  return rec
+-- Exactly-once bookkeeping (see ARGV[5]).
+local op_client, op_stamp, op_ack = nil, 0, 0
+if op ~= '' then
+  local client, stamp, ack = string.match(op, '^(%w+):(%d+):(%d+)$')
+  if not client then return redis.error_reply('ERR aiolimit: bad op ' .. op) end
+  op_client, op_stamp, op_ack = client, tonumber(stamp), tonumber(ack)
+  op = client .. ':' .. stamp
 end
 
-local function op_write(tag, times)
-  redis.call('SET', op_key, tag .. ':' .. table.concat(times, ','), 'PX', OP_RETENTION_MS + slack)
+-- This client's ledger in main key s, parsed once per call.
+local function ledger(s)
+  if s.ledger then return s.ledger end
+  local l = {name = 'o:' .. op_client, horizon = 0, stamps = {}, at = {}}
+  local raw = s.fields[l.name]
+  if raw then
+    local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
+    l.horizon = tonumber(horizon) or 0
+    for stamp, time in string.gmatch(entries or '', '(%d+)@([%d-]+)') do
+      stamp = tonumber(stamp)
+      l.stamps[#l.stamps + 1] = stamp
+      if time == '-' then l.at[stamp] = false else l.at[stamp] = tonumber(time) end
+    end
+  end
+  s.ledger = l
+  return l
+end
+
+-- What this op is to main key s: 'new', 'applied' (and when), or 'settled' (undone here,
+-- or at or below the horizon: its client knows its outcome, so a copy arriving now is late).
+local function op_state(s)
+  local l = ledger(s)
+  if op_stamp <= l.horizon then return 'settled' end
+  local at = l.at[op_stamp]
+  if at == nil then return 'new' end
+  if at == false then return 'settled' end
+  return 'applied', at
+end
+
+-- Records this op in main key s (time µs, or false for undone), moves the horizon to ack - 1
+-- and stages the field; the key then lives at least OP_RETENTION_MS while an undo is recorded.
+local function op_record(s, time)
+  local l = ledger(s)
+  if l.at[op_stamp] == nil then l.stamps[#l.stamps + 1] = op_stamp end
+  l.at[op_stamp] = time
+  if op_ack - 1 > l.horizon then l.horizon = op_ack - 1 end
+  table.sort(l.stamps)
+  while #l.stamps > OP_KEEP do  -- too many unsettled ops: the oldest count as settled
+    local oldest = table.remove(l.stamps, 1)
+    if oldest > l.horizon then l.horizon = oldest end
+  end
+  local kept = {}
+  for _, stamp in ipairs(l.stamps) do
+    if stamp > l.horizon then
+      local at = l.at[stamp]
+      local text = '-'
+      if at then text = fmt(at) end
+      kept[#kept + 1] = fmt(stamp) .. '@' .. text
+    end
+  end
+  stage_set(s, l.name, fmt(now) .. ';' .. fmt(l.horizon) .. ';' .. table.concat(kept, ','))
+  if time == false then want_ttl(s, OP_RETENTION_MS) end
+end
+
+-- Drops client fields idle for OP_RETENTION_MS (their clients are gone).
+op_prune = function(s)
+  for name, value in pairs(s.fields) do
+    if string.sub(name, 1, 2) == 'o:' then
+      local last = tonumber(string.match(value, '^(%d+);'))
+      if last and last + OP_RETENTION_MS * 1000 < now then stage_del(s, name) end
+    end
+  end
 end
 
 local function decide_all(w)
@@ -170,56 +232,65 @@ if mode == 'check' then
 end
 
 if mode == 'acquire' then
-  local rec = op_record()
-  if rec then
-    local reply = decide_all(weight)
-    reply[1] = string.sub(rec, 1, 1) == 'A' and 1 or 0
-    reply[2] = 1
-    return reply
+  if op_client then
+    local state = op_state(mains[1])
+    if state ~= 'new' then
+      local reply = decide_all(weight)
+      reply[1] = state == 'applied' and 1 or 0
+      reply[2] = 1
+      return reply
+    end
   end
   local reply, all = decide_all(weight)
   if all or penalty then
     for _, pair in ipairs(pairs_) do
       pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op)
     end
-    flush()
-    if op_key and all then
-      local times = {}
-      for i, s in ipairs(mains) do times[i] = fmt(now_for(s)) end
-      op_write('A', times)
+    if op_client then
+      for _, s in ipairs(mains) do op_record(s, now_for(s)) end
     end
+    flush()
   end
   -- An algorithm's check, when it allows, already reports the state after the charge.
   return reply
 end
 
 if mode == 'refund' or mode == 'undo' then
+  if mode == 'undo' and not op_client then
+    return redis.error_reply('ERR aiolimit: undo needs an op id')
+  end
   local replay = 0
   local at = {}
-  local rec = op_record()
-  if mode == 'refund' then
-    if rec then replay = 1 elseif op_key then op_write('F', {}) end
-  elseif not op_key then
-    return redis.error_reply('ERR aiolimit: undo needs an op id')
-  elseif rec and string.sub(rec, 1, 1) == 'A' then
-    local i = 0
-    for time in string.gmatch(string.sub(rec, 3), '%d+') do
-      i = i + 1
-      if mains[i] then at[mains[i].key] = tonumber(time) end
+  if op_client then
+    local state, time = op_state(mains[1])
+    if mode == 'refund' and state ~= 'new' then
+      replay = 1
+    elseif mode == 'undo' then
+      if state == 'applied' then
+        for _, s in ipairs(mains) do
+          local _, charged = op_state(s)
+          at[s.key] = charged or time
+        end
+      else
+        replay = 1
+      end
+      -- Undone here: a late or resent copy of the op cannot charge any more.
+      if state ~= 'settled' then
+        for _, s in ipairs(mains) do op_record(s, false) end
+      end
     end
-    op_write('R', {string.sub(rec, 3)})
-  else
-    -- Undone already, or never applied here: credit nothing, and tombstone it so a late
-    -- acquire of this op cannot charge.
-    replay = 1
-    if not rec then op_write('R', {}) end
   end
   if replay == 0 then
     for _, pair in ipairs(pairs_) do
       pair.algo.refund(pair.s, pair, now_for(pair.s), weight, at[pair.s.key], op)
     end
-    flush()
+    if mode == 'refund' and op_client then  -- (a key that did not exist has nothing to refund)
+      for _, s in ipairs(mains) do
+        if s.existed then op_record(s, now_for(s)) end
+      end
+    end
   end
+  flush()
   -- The state after the refund, as a request of weight 0 sees it.
   local reply = decide_all(0)
   reply[2] = replay

@@ -24,7 +24,10 @@ local function algorithm(code)
   end
   return algo
 end
-local OP_RETENTION_MS = 120000  -- op records outlive any retry of the op that wrote them
+-- A client's op ledger in a key is dropped after this long without a write from it; it
+-- outlives every retry and undo a limiter makes (its deadline is at most 3600 s).
+local OP_RETENTION_MS = 7200000
+local OP_KEEP = 64  -- unsettled ops of one client kept per key at most
 local TTL_STEP_MS = 1000  -- TTLs are set this much longer than needed, and so set less often
 
 local function fmt(n)
@@ -42,7 +45,7 @@ local function load_main(key)
   for i = 1, #flat, 2 do
     fields[flat[i]] = flat[i + 1]
   end
-  s = {key = key, fields = fields, t = tonumber(fields['t']) or 0,
+  s = {key = key, fields = fields, t = tonumber(fields['t']) or 0, existed = #flat > 0,
        set = {}, del = {}, ttl_ms = 0, dirty = false}
   loaded[key] = s
   return s

@@ -20,20 +20,21 @@ def _plans() -> list:  # type: ignore[type-arg]
 
 
 def test_encode_lays_out_keys_and_argv_as_the_header_says() -> None:
-    """KEYS: each identifier's keys, then the op record; ARGV: 7 head values, then blocks."""
-    call = encode(ACQUIRE, _plans(), 3, NOW_US, 3_600_000, op="abc", penalty=True, max_wait_us=500)
+    """KEYS: each identifier's keys (no op record key); ARGV: 7 head values, then blocks."""
+    call = encode(
+        ACQUIRE, _plans(), 3, NOW_US, 3_600_000, op="c1:7:5", penalty=True, max_wait_us=500
+    )
     assert call.keys == [
         "p:{ip:1}",  # block 1, key 1: the main key
         "p:{ip:1}:log:60000000",  # block 1, key 2: the sliding log's aux key
         "p:{user:2}",  # block 2, key 1
-        "p:{ip:1}:op:abc",  # last: the op record, in the first identifier's slot
     ]
     assert call.args == [
         "acquire",  # ARGV[1] mode
         NOW_US,  # ARGV[2] now, integer µs
         3,  # ARGV[3] weight
         3_600_000,  # ARGV[4] TTL slack, ms
-        "abc",  # ARGV[5] op id
+        "c1:7:5",  # ARGV[5] op: client, stamp, ack
         "pr500",  # ARGV[6] flags: penalty, reserve up to 500 µs
         2,  # ARGV[7] B blocks, then one comma-separated string per block:
         # K keys, P pairs, then per pair: aux (0 = none, 2 = the block's second key),
@@ -45,7 +46,7 @@ def test_encode_lays_out_keys_and_argv_as_the_header_says() -> None:
 
 
 def test_encode_without_op_clock_or_flags() -> None:
-    """No op id: no op key and ""; server time: now is ""; no flags: ""."""
+    """No op: ""; server time: now is ""; no flags: ""."""
     call = encode(CHECK, _plans()[1:], 1, None, 0)
     assert call.keys == ["p:{user:2}"]
     assert call.args == ["check", "", 1, 0, "", "", 1, b"1,1,0,sw,240,3600000000,60000000"]

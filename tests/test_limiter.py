@@ -343,7 +343,8 @@ async def test_a_keys_time_never_runs_backwards(backend: Backend) -> None:
     stored = await backend.hgetall("ip:1")
     assert stored["t"] == str(round((START + 10) * 1_000_000))
     assert await backend.counts("ip:1") == {field(limit, START + 10): 2}
-    assert set(stored) == {"t", "x", field(limit, START + 10).partition(":")[0]}
+    fields = {name for name in stored if not name.startswith("o:")}  # (op ledgers)
+    assert fields == {"t", "x", field(limit, START + 10).partition(":")[0]}
     assert (await behind.peek("ip:1")).remaining == 0
 
 

@@ -59,8 +59,8 @@ class FakeSlots(Store):
 
     def execute(self, call: Call) -> list[int]:
         mode, weight, op = str(call.args[0]), int(call.args[2]), str(call.args[4])
-        if op:
-            op = call.keys[-1]  # op records live per slot, under the op key
+        if op:  # op records live per identifier: "<client>:<stamp>:<ack>" -> its identity
+            op = call.plans[0].keys[0] + "|" + op.rsplit(":", 1)[0]
         pairs = self.pairs(call)
         self.sent.append((mode, call.plans[0].identifier))
         if self.before is not None:
@@ -129,37 +129,40 @@ def slots() -> FakeSlots:
 
 def protocol(slots: FakeSlots, *, op_ids: bool = True) -> Protocol:
     slots.retries_calls = op_ids
-    return Protocol(slots, ServerClock())
+    return Protocol(slots, ServerClock(), undo_patience=0.05)
 
 
 async def test_one_slot_is_one_call_without_a_check_phase(slots: FakeSlots, rules: Rules) -> None:
     """Identifiers sharing a slot are decided by a single acquire call, no check phase."""
     proto = protocol(slots)
-    decision = await proto.decide(Mode.ACQUIRE, rules.plans(["a", "a2"]), 1)
+    decision = await proto.acquire(rules.plans(["a", "a2"]), 1)
     assert decision.allowed
     assert slots.modes() == ["acquire"]
     assert proto.statistics.single_slot == 1
     assert proto.statistics.multi_slot == 0
 
 
-async def test_every_charging_call_gets_an_op_id_when_the_store_retries(
+async def test_every_charging_call_carries_an_op_and_no_op_key(
     slots: FakeSlots, rules: Rules
 ) -> None:
-    """With always_op_ids, a single-slot acquire carries an op id and its op key; check none."""
+    """A single-slot acquire carries an op "<client>:<stamp>:<ack>" and no extra key; a check
+    carries none."""
     seen: list[Call] = []
     slots.before = lambda mode, call: seen.append(call)
     proto = protocol(slots)
-    await proto.decide(Mode.ACQUIRE, rules.plans(["a"]), 1)
+    await proto.acquire(rules.plans(["a"]), 1)
     await proto.decide(Mode.CHECK, rules.plans(["a"]), 1)
     acquire, check = seen
-    assert acquire.args[4] and acquire.keys[-1].endswith(":op:" + str(acquire.args[4]))
+    client, stamp, ack = str(acquire.args[4]).split(":")
+    assert client == proto.ops.client and int(stamp) == int(ack) == 1
+    assert acquire.keys == list(rules.plan("a").keys)
     assert check.args[4] == ""
 
 
 async def test_all_slots_admitted_charges_every_slot_once(slots: FakeSlots, rules: Rules) -> None:
     """Across slots: check on every slot, then one commit per slot, and every pair charged."""
     proto = protocol(slots)
-    decision = await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b", "c"]), 2)
+    decision = await proto.acquire(rules.plans(["a", "b", "c"]), 2)
     assert decision.allowed
     assert slots.modes() == ["check"] * 3 + ["acquire"] * 3
     assert set(slots.used.values()) == {2}
@@ -171,7 +174,7 @@ async def test_refusal_at_check_writes_nothing(slots: FakeSlots, rules: Rules) -
     slots.fill("b", rules)
     before = dict(slots.used)
     proto = protocol(slots)
-    decision = await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b", "c"]), 1)
+    decision = await proto.acquire(rules.plans(["a", "b", "c"]), 1)
     assert not decision.allowed
     assert slots.modes() == ["check"] * 3
     assert slots.used == before
@@ -189,7 +192,7 @@ async def test_refused_commit_undoes_the_other_slots(slots: FakeSlots, rules: Ru
 
     slots.before = race
     proto = protocol(slots)
-    decision = await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b", "c"]), 1)
+    decision = await proto.acquire(rules.plans(["a", "b", "c"]), 1)
     assert not decision.allowed
     undone = sorted(ident for mode, ident in slots.sent if mode == "undo")
     assert undone == ["a", "c"]  # b refused, so it charged nothing and needs no undo
@@ -209,7 +212,7 @@ async def test_error_mid_commit_undoes_then_raises(slots: FakeSlots, rules: Rule
     slots.after = lose  # c's commit ran, only its reply is lost
     proto = protocol(slots)
     with pytest.raises(LostReply):
-        await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b", "c"]), 1)
+        await proto.acquire(rules.plans(["a", "b", "c"]), 1)
     assert sorted(ident for mode, ident in slots.sent if mode == "undo") == ["a", "b", "c"]
     assert set(slots.used.values()) == {0}
     assert proto.statistics.compensations == 1
@@ -235,7 +238,7 @@ async def test_undo_before_a_late_commit_blocks_it(slots: FakeSlots, rules: Rule
 
     slots.execute = record  # type: ignore[method-assign]
     with pytest.raises(LostReply):
-        await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b"]), 1)
+        await proto.acquire(rules.plans(["a", "b"]), 1)
     slots.before = None
     reply = original(late[0])  # the lost commit finally reaches the server
     assert reply[:2] == [0, 1]  # refused, as a replay of a cancelled op
@@ -254,7 +257,7 @@ async def test_failed_undo_is_counted_and_raised(slots: FakeSlots, rules: Rules)
     slots.before = chaos
     proto = protocol(slots)
     with pytest.raises(BackendUnavailable):
-        await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b"]), 1)
+        await proto.acquire(rules.plans(["a", "b"]), 1)
     assert proto.statistics.compensations == 1
     assert proto.statistics.compensation_errors == 1
 
@@ -262,9 +265,9 @@ async def test_failed_undo_is_counted_and_raised(slots: FakeSlots, rules: Rules)
 async def test_statistics_count_slots_per_call(slots: FakeSlots, rules: Rules) -> None:
     """slots_per_call histograms multi-slot decisions by their number of slots."""
     proto = protocol(slots)
-    await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b"]), 1)
-    await proto.decide(Mode.ACQUIRE, rules.plans(["a", "b", "c"]), 1)
-    await proto.decide(Mode.ACQUIRE, rules.plans(["a", "a2"]), 1)
+    await proto.acquire(rules.plans(["a", "b"]), 1)
+    await proto.acquire(rules.plans(["a", "b", "c"]), 1)
+    await proto.acquire(rules.plans(["a", "a2"]), 1)
     stats = proto.statistics
     assert (stats.single_slot, stats.multi_slot) == (1, 2)
     assert stats.slots_per_call == {2: 1, 3: 1}
@@ -290,7 +293,7 @@ async def test_a_deadline_during_the_commit_still_undoes_every_slot(
     plans = rules.plans(["a", "b", "c"])
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.05):
-            await proto.decide(Mode.ACQUIRE, plans, 1)
+            await proto.acquire(plans, 1)
     await asyncio.sleep(0)  # let the undo task run to completion
     for _ in range(5):
         if not proto._tasks:

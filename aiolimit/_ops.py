@@ -1,0 +1,80 @@
+"""Operation ids, and this limiter's ledger of the ops whose outcome it does not know yet.
+
+Every charging call carries an op: ``<client>:<stamp>:<ack>`` (see ``lua/decide.lua``). The
+client is this limiter's random id, the stamp counts up, and ``ack`` is the smallest stamp
+still *unsettled* on the call's identifiers: sent, but with no reply yet (in flight, or lost
+and being undone). The script keeps, per identifier and client, only the ops above ``ack - 1``
+and treats anything at or below it as settled: a copy of such an op arriving late (a stopped
+server resumed, a client that resent it by itself) charges nothing. So the state the scripts
+keep for exactly-once grows with the unsettled ops, never with the request rate.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One operation: its client, stamp, and the ack sent with it."""
+
+    client: str
+    stamp: int
+    ack: int
+
+    @property
+    def id(self) -> str:
+        """The op's identity (what a lease is held under)."""
+        return f"{self.client}:{self.stamp}"
+
+    @property
+    def wire(self) -> str:
+        return f"{self.client}:{self.stamp}:{self.ack}"
+
+    def resent(self) -> Op:
+        """The same op as sent again later (lease release/renew): it acks only itself."""
+        return Op(self.client, self.stamp, self.stamp)
+
+
+class OpLedger:
+    """Stamps ops and remembers which are unsettled, per main key (bounded by them)."""
+
+    __slots__ = ("_next", "_open", "client")
+
+    def __init__(self) -> None:
+        self.client = secrets.token_hex(6)
+        self._next = 0
+        # main key -> its unsettled stamps, in increasing order (dicts keep insertion order)
+        self._open: dict[str, dict[int, None]] = {}
+
+    def open(self, keys: Sequence[str]) -> Op:
+        """A new op over these main keys, unsettled until ``settle``."""
+        self._next += 1
+        stamp = ack = self._next
+        book = self._open
+        for key in keys:
+            stamps = book.get(key)
+            if stamps is None:
+                book[key] = {stamp: None}
+            else:
+                oldest = next(iter(stamps))
+                if oldest < ack:
+                    ack = oldest
+                stamps[stamp] = None
+        return Op(self.client, stamp, ack)
+
+    def settle(self, keys: Sequence[str], op: Op) -> None:
+        """The op's outcome is known (answered, or undone): later calls ack past it."""
+        book = self._open
+        for key in keys:
+            stamps = book.get(key)
+            if stamps is not None:
+                stamps.pop(op.stamp, None)
+                if not stamps:
+                    del book[key]
+
+    def unsettled(self) -> int:
+        """Unsettled (key, op) entries (for tests and statistics)."""
+        return sum(len(stamps) for stamps in self._open.values())
