@@ -1,12 +1,13 @@
 """Operation ids, and this limiter's ledger of the ops whose outcome it does not know yet.
 
-Every charging call carries an op: ``<client>:<stamp>:<ack>`` (see ``lua/decide.lua``). The
-client is this limiter's random id, the stamp counts up, and ``ack`` is the smallest stamp
+Every charging call carries an op: ``<client>:<stamp>:<open>`` (see ``lua/decide.lua``). The
+client is this limiter's random id, the stamp counts up, and ``open`` lists the older stamps
 still *unsettled* on the call's identifiers: sent, but with no reply yet (in flight, or lost
-and being undone). The script keeps, per identifier and client, only the ops above ``ack - 1``
-and treats anything at or below it as settled: a copy of such an op arriving late (a stopped
-server resumed, a client that resent it by itself) charges nothing. So the state the scripts
-keep for exactly-once grows with the unsettled ops, never with the request rate.
+and being undone). The script keeps, per identifier and client, only those, the newer ones and
+the undone ones, and treats everything below the oldest open stamp as settled: a copy of such
+an op arriving late (a stopped server resumed, a client that resent it by itself) charges
+nothing. So the state the scripts keep for exactly-once grows with the ops in flight or being
+undone, never with the request rate.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One operation: its client, stamp, and the ack sent with it."""
+    """One operation: its client, its stamp, and the older stamps still open when it began."""
 
     client: str
     stamp: int
-    ack: int
+    open: tuple[int, ...] = ()
 
     @property
     def id(self) -> str:
@@ -31,11 +32,7 @@ class Op:
 
     @property
     def wire(self) -> str:
-        return f"{self.client}:{self.stamp}:{self.ack}"
-
-    def resent(self) -> Op:
-        """The same op as sent again later (lease release/renew): it acks only itself."""
-        return Op(self.client, self.stamp, self.stamp)
+        return f"{self.client}:{self.stamp}:{','.join(map(str, self.open))}"
 
 
 class OpLedger:
@@ -52,18 +49,20 @@ class OpLedger:
     def open(self, keys: Sequence[str]) -> Op:
         """A new op over these main keys, unsettled until ``settle``."""
         self._next += 1
-        stamp = ack = self._next
+        stamp = self._next
         book = self._open
+        older: set[int] | None = None
         for key in keys:
             stamps = book.get(key)
             if stamps is None:
                 book[key] = {stamp: None}
             else:
-                oldest = next(iter(stamps))
-                if oldest < ack:
-                    ack = oldest
+                if older is None:
+                    older = set(stamps)
+                else:
+                    older.update(stamps)
                 stamps[stamp] = None
-        return Op(self.client, stamp, ack)
+        return Op(self.client, stamp, tuple(sorted(older)) if older else ())
 
     def settle(self, keys: Sequence[str], op: Op) -> None:
         """The op's outcome is known (answered, or undone): later calls ack past it."""

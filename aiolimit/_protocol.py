@@ -303,8 +303,8 @@ class Protocol:
         is cancelled."""
         assert mode in (RELEASE, RENEW)
         if mode is RENEW:
-            return await self.decide(RENEW, plans, weight, op.resent())
-        return await self._shielded(self.decide(RELEASE, plans, weight, op.resent()))
+            return await self.decide(RENEW, plans, weight, op)
+        return await self._shielded(self.decide(RELEASE, plans, weight, op))
 
     def _spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Runs ``work`` in a task of its own (it sets its own deadline)."""

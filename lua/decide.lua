@@ -13,12 +13,26 @@
 -- ARGV[2]   now: integer µs since the epoch, or "" to use this server's TIME
 -- ARGV[3]   weight: positive integer
 -- ARGV[4]   TTL slack: integer ms added to every TTL (a manual clock's time is not Redis')
--- ARGV[5]   op id, "" for none. With an op id the LAST key is the op's record (a STRING,
---           same slot): acquire writes "A:<µs>,<µs>..." (the time it charged each main key,
---           in order of first appearance) and, when run again with the same id, replays
---           (charges nothing). undo credits exactly what that op charged, once, and leaves
---           "R:..." so a late or retried acquire of the op cannot charge. refund writes "F:".
---           Records expire after OP_RETENTION_MS.
+-- ARGV[5]   op, "" for none, else "<client>:<stamp>:<open>": the calling limiter's id (letters
+--           and digits), the op's stamp (an integer, increasing per client) and <open>, the
+--           comma-separated stamps (ascending, maybe none) of that client's older ops on
+--           these identifiers whose outcome it does not know yet: every other older op is
+--           settled (the client had its reply, or its undo's). The op's identity, e.g. for
+--           leases, is "<client>:<stamp>". Exactly-once bookkeeping lives in each main key,
+--           in the field "o:<client>" = "<last write µs>;<horizon>;<entries>", entries being
+--           "<stamp>@<µs>" (applied at that time) or "<stamp>@-" (undone, or blocked before it
+--           ran), comma-separated, for stamps above the horizon:
+--             acquire/refund: an op applied already replays (charges nothing); one undone, or
+--                   at or below the horizon, is refused and charges nothing (a late or resent
+--                   copy of an op its client gave up on); otherwise it runs and, if it charged,
+--                   records "<stamp>@<µs>".
+--             undo: credits exactly what that op charged here, once, and leaves "<stamp>@-"
+--                   (also when it never ran here, so a late copy cannot charge).
+--           Every write sets the horizon to (the oldest open stamp, or this stamp) - 1 and keeps
+--           only entries for this stamp and newer, for the open stamps, and undone ones above
+--           the horizon. So the field holds what the client has not settled, never more than
+--           its ops in flight and undos pending: it does not grow with the request rate. A
+--           client field idle for OP_RETENTION_MS is dropped.
 -- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway);
 --           "r<µs>" reserves: pairs that can queue (GCRA) admit a request that fits within
 --           that many µs, charging now; its delay is the pair's retry_after while allowed
@@ -126,11 +140,17 @@ local function flush()
 end
 
 -- Exactly-once bookkeeping (see ARGV[5]).
-local op_client, op_stamp, op_ack = nil, 0, 0
+local op_client, op_stamp, op_open, op_floor = nil, 0, {}, 0
 if op ~= '' then
-  local client, stamp, ack = string.match(op, '^(%w+):(%d+):(%d+)$')
+  local client, stamp, open = string.match(op, '^(%w+):(%d+):([%d,]*)$')
   if not client then return redis.error_reply('ERR aiolimit: bad op ' .. op) end
-  op_client, op_stamp, op_ack = client, tonumber(stamp), tonumber(ack)
+  op_client, op_stamp = client, tonumber(stamp)
+  op_floor = op_stamp
+  for value in string.gmatch(open, '%d+') do
+    value = tonumber(value)
+    op_open[value] = true
+    if value < op_floor then op_floor = value end
+  end
   op = client .. ':' .. stamp
 end
 
@@ -163,28 +183,32 @@ local function op_state(s)
   return 'applied', at
 end
 
--- Records this op in main key s (time µs, or false for undone), moves the horizon to ack - 1
--- and stages the field; the key then lives at least OP_RETENTION_MS while an undo is recorded.
+-- Records this op in main key s (time µs, or false for undone), sets the horizon below the
+-- oldest open stamp and keeps what is unsettled (see ARGV[5]); stages the field. A key that
+-- records an undo lives at least OP_RETENTION_MS, so a late copy still finds it.
 local function op_record(s, time)
   local l = ledger(s)
   if l.at[op_stamp] == nil then l.stamps[#l.stamps + 1] = op_stamp end
   l.at[op_stamp] = time
-  if op_ack - 1 > l.horizon then l.horizon = op_ack - 1 end
+  if op_floor - 1 > l.horizon then l.horizon = op_floor - 1 end
   table.sort(l.stamps)
-  while #l.stamps > OP_KEEP do  -- too many unsettled ops: the oldest count as settled
-    local oldest = table.remove(l.stamps, 1)
-    if oldest > l.horizon then l.horizon = oldest end
-  end
   local kept = {}
   for _, stamp in ipairs(l.stamps) do
-    if stamp > l.horizon then
-      local at = l.at[stamp]
-      local text = '-'
-      if at then text = fmt(at) end
-      kept[#kept + 1] = fmt(stamp) .. '@' .. text
+    if stamp > l.horizon and (stamp >= op_stamp or op_open[stamp] or l.at[stamp] == false) then
+      kept[#kept + 1] = stamp
     end
   end
-  stage_set(s, l.name, fmt(now) .. ';' .. fmt(l.horizon) .. ';' .. table.concat(kept, ','))
+  while #kept > OP_KEEP do  -- a safety valve only: the oldest count as settled
+    l.horizon = table.remove(kept, 1)
+  end
+  local text = {}
+  for i, stamp in ipairs(kept) do
+    local when = '-'
+    if l.at[stamp] then when = fmt(l.at[stamp]) end
+    text[i] = fmt(stamp) .. '@' .. when
+  end
+  l.stamps = kept
+  stage_set(s, l.name, fmt(now) .. ';' .. fmt(l.horizon) .. ';' .. table.concat(text, ','))
   if time == false then want_ttl(s, OP_RETENTION_MS) end
 end
 

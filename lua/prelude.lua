@@ -27,7 +27,7 @@ end
 -- A client's op ledger in a key is dropped after this long without a write from it; it
 -- outlives every retry and undo a limiter makes (its deadline is at most 3600 s).
 local OP_RETENTION_MS = 7200000
-local OP_KEEP = 64  -- unsettled ops of one client kept per key at most
+local OP_KEEP = 4096  -- unsettled ops of one client kept per key at most (a safety valve)
 local TTL_STEP_MS = 1000  -- TTLs are set this much longer than needed, and so set less often
 
 local function fmt(n)

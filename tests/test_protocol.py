@@ -59,7 +59,7 @@ class FakeSlots(Store):
 
     def execute(self, call: Call) -> list[int]:
         mode, weight, op = str(call.args[0]), int(call.args[2]), str(call.args[4])
-        if op:  # op records live per identifier: "<client>:<stamp>:<ack>" -> its identity
+        if op:  # op records live per identifier: "<client>:<stamp>:<open>" -> its identity
             op = call.plans[0].keys[0] + "|" + op.rsplit(":", 1)[0]
         pairs = self.pairs(call)
         self.sent.append((mode, call.plans[0].identifier))
@@ -145,7 +145,7 @@ async def test_one_slot_is_one_call_without_a_check_phase(slots: FakeSlots, rule
 async def test_every_charging_call_carries_an_op_and_no_op_key(
     slots: FakeSlots, rules: Rules
 ) -> None:
-    """A single-slot acquire carries an op "<client>:<stamp>:<ack>" and no extra key; a check
+    """A single-slot acquire carries an op "<client>:<stamp>:<open>" and no extra key; a check
     carries none."""
     seen: list[Call] = []
     slots.before = lambda mode, call: seen.append(call)
@@ -153,8 +153,8 @@ async def test_every_charging_call_carries_an_op_and_no_op_key(
     await proto.acquire(rules.plans(["a"]), 1)
     await proto.decide(Mode.CHECK, rules.plans(["a"]), 1)
     acquire, check = seen
-    client, stamp, ack = str(acquire.args[4]).split(":")
-    assert client == proto.ops.client and int(stamp) == int(ack) == 1
+    client, stamp, open_ = str(acquire.args[4]).split(":")
+    assert client == proto.ops.client and int(stamp) == 1 and open_ == ""
     assert acquire.keys == list(rules.plan("a").keys)
     assert check.args[4] == ""
 
