@@ -1,7 +1,9 @@
 """The embedded store runs Redis scripts as Redis 7 does: most tests run the same script on a
 real server and on EmbeddedStore and compare the replies, the errors and the keys left behind.
 
-The real client speaks RESP2 (redis-py 8 defaults to RESP3), the protocol the store emulates.
+The real client speaks RESP2 (redis-py 8 defaults to RESP3): the store answers with the values
+redis-py returns over RESP2. The store implements only the commands the scripts call, so every
+script here sticks to those.
 Error messages are compared as redis-py shows them (it drops known codes such as "ERR ").
 """
 
@@ -35,15 +37,18 @@ end
 return out
 """
 
+# What each key holds, told apart without TYPE (not an engine command): a read of the wrong
+# kind fails with WRONGTYPE, so try a string, then a hash, then a sorted set.
 SNAPSHOT = """
 local out = {}
 for i, key in ipairs(KEYS) do
-  local kind = redis.call('TYPE', key).ok
-  local value = false
-  if kind == 'string' then value = redis.call('GET', key)
-  elseif kind == 'hash' then value = redis.call('HGETALL', key)
-  elseif kind == 'zset' then value = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES') end
+  local kind, value = 'string', redis.pcall('GET', key)
+  if type(value) == 'table' then kind, value = 'hash', redis.pcall('HGETALL', key) end
+  if type(value) == 'table' and value.err then
+    kind, value = 'zset', redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+  end
   local ttl = redis.call('PTTL', key)
+  if ttl == -2 then kind = 'none' end
   out[i] = {kind, value, ttl >= 0 and 'volatile' or ttl}
 end
 return out
@@ -150,7 +155,6 @@ REPLIES = {
     "a function is nil": "return function() end",
     "nested tables": "return {1, {2, {3, 'x'}}, 'y', {}}",
     "binary strings": "return 'a\\0b\\255'",
-    "status reply": "return redis.status_reply('FINE')",
     "ok table": "return {ok = 'fine'}",
     "status newlines become spaces": "return {ok = 'a\\r\\nb'}",
     "status stops at NUL": "return {ok = 'a\\0b'}",
@@ -165,30 +169,23 @@ REPLIES = {
     "err wins over ok": "return {ok = 'x', err = 'y'}",
     "non-string err and ok are ignored": "return {err = 5, ok = 6, 1, 2}",
     "error inside an array": "return {1, redis.error_reply('inner'), 3}",
-    "status inside an array": "return {1, redis.status_reply('S'), 3}",
+    "status inside an array": "return {1, {ok = 'S'}, 3}",
     "bad error_reply argument": "return redis.error_reply(5)",
-    "bad status_reply argument": "return redis.status_reply()",
-    "double table": "return {double = 0.1}",
-    "map table": "return {map = {a = 1}}",
-    "set table": "return {set = {a = true}}",
-    "big number table": "return {big_number = '123'}",
     "KEYS and ARGV are string arrays": "return {KEYS, ARGV}",
     "status reply seen by Lua": (
         "local r = redis.call('SET', KEYS[1], 'v') return {type(r), r.ok}"
     ),
     "nil reply seen by Lua": "local r = redis.call('GET', KEYS[2]) return {type(r), tostring(r)}",
-    "integer reply seen by Lua": "local r = redis.call('EXISTS', KEYS[1]) return {type(r), r}",
-    "array with nils seen by Lua": (
-        "redis.call('HSET', KEYS[2], 'f', 'v') local r = redis.call('HMGET', KEYS[2], 'x', 'f') "
-        "return {#r, tostring(r[1]), r[2]}"
+    "integer reply seen by Lua": (
+        "local r = redis.call('HSET', KEYS[1], 'f', 'v') return {type(r), r}"
     ),
     "pcall error table": (
-        "redis.call('SET', KEYS[1], 'a') local e = redis.pcall('INCR', KEYS[1]) "
+        "redis.call('SET', KEYS[1], 'a') local e = redis.pcall('HGETALL', KEYS[1]) "
         "local r = {} for k, v in pairs(e) do r[#r + 1] = k .. '=' .. tostring(v) end "
         "table.sort(r) return r"
     ),
     "pcall of redis.call gives the message": (
-        "redis.call('SET', KEYS[1], 'a') local ok, e = pcall(redis.call, 'INCR', KEYS[1]) "
+        "redis.call('SET', KEYS[1], 'a') local ok, e = pcall(redis.call, 'HGETALL', KEYS[1]) "
         "return {tostring(ok), type(e), e}"
     ),
     "pcall of bad arguments": (
@@ -199,25 +196,11 @@ REPLIES = {
     "redis.pcall of an unknown command": "return redis.pcall('NOPE', 'x')",
     "redis.pcall with the wrong arity": "return redis.pcall('GET')",
     "command syntax errors": "return redis.pcall('SET', KEYS[1], 'v', 'FOO')",
-    "no-writes shebang allows reads": (
-        "#!lua flags=no-writes,allow-oom\nreturn {1, redis.call('GET', KEYS[1])}"
-    ),
     "Lua's own number formatting": "return tostring(0.1) .. ' ' .. tostring(1/3) .. ' ' .. 1e20",
     "the libraries Redis keeps": (
         "return {type(loadstring), type(load), type(rawset), type(coroutine), type(unpack), "
         "type(_G), type(string.format), type(math.floor), type(table.concat), type(gcinfo), "
         "type(xpcall), type(select), _VERSION}"
-    ),
-    "redis helpers": (
-        "return {redis.sha1hex('abc'), redis.sha1hex(5), redis.LOG_DEBUG, redis.LOG_VERBOSE, "
-        "redis.LOG_NOTICE, redis.LOG_WARNING, redis.REPL_NONE, redis.REPL_AOF, redis.REPL_SLAVE, "
-        "redis.REPL_REPLICA, redis.REPL_ALL, tostring(redis.replicate_commands()), "
-        "tostring(redis.breakpoint()), type(redis.REDIS_VERSION)}"
-    ),
-    "helpers that return no value": (
-        "return {select('#', redis.setresp(2)), select('#', redis.debug('x')), "
-        "select('#', redis.set_repl(redis.REPL_ALL)), "
-        "select('#', redis.log(redis.LOG_WARNING, 'from a test', 5, {}))}"
     ),
 }
 
@@ -237,7 +220,7 @@ def test_lua_number_truncation_examples(store: EmbeddedStore) -> None:
     assert store.eval("return {1, 2, nil, 4}", [], []) == [1, 2]
     assert store.eval("return {1, false, 3}", [], []) == [1, None, 3]
     assert store.eval("return {true, 'x', {2}}", [], []) == [1, b"x", [2]]
-    assert store.eval("return redis.status_reply('OK')", [], []) == b"OK"
+    assert store.eval("return {ok = 'OK'}", [], []) == b"OK"
     with pytest.raises(ScriptError, match=r"^My Error$"):
         store.eval("return redis.error_reply('My Error')", [], [])
 
@@ -281,21 +264,9 @@ ERRORS = {
         "redis.call('HSET', KEYS[1], 'f', 'v')\nlocal r = redis.call('GET', KEYS[1])\nreturn r"
     ),
     "command error": (
-        "redis.call('SET', KEYS[1], 'a')\nlocal r = redis.call('INCR', KEYS[1])\nreturn r"
+        "redis.call('SET', KEYS[1], 'a')\nlocal r = redis.call('PEXPIRE', KEYS[1], 'x')\nreturn r"
     ),
-    "no-writes script writing": (
-        "#!lua flags=no-writes\nlocal r = redis.call('SET', KEYS[1], 1)\nreturn r"
-    ),
-    "shebang keeps line numbers": "#!lua\nerror('on line 2')",
-    "setresp without argument": "redis.setresp()",
-    "log without message": "redis.log(redis.LOG_WARNING)",
-    "log level out of range": "redis.log(99, 'x')",
-    "sha1hex without argument": "redis.sha1hex()",
     "compile error": "return x +",
-    "unknown shebang engine": "#!foo bar\nreturn 1",
-    "unknown shebang flag": "#!lua flags=bogus\nreturn 1",
-    "unknown shebang option": "#!lua name=x\nreturn 1",
-    "shebang without a body": "#!lua",
 }
 
 
@@ -352,9 +323,10 @@ def test_lua_number_arguments_are_written_like_redis(
 def test_negative_zero_is_not_an_integer(
     real: redis.Redis, store: EmbeddedStore, prefix: str
 ) -> None:
-    """-x with x = 0 is "-0", which INCRBY refuses: the embedded store must not hide that."""
+    """-x with x = 0 is "-0", which PEXPIRE refuses: the embedded store must not hide that."""
     source = (
-        "local x = 0 return {redis.pcall('INCRBY', KEYS[1], -x), redis.pcall('INCRBY', KEYS[1], x)}"
+        "local x = 0 "
+        "return {redis.pcall('PEXPIRE', KEYS[1], -x), redis.pcall('PEXPIRE', KEYS[1], x)}"
     )
     _, reply = assert_same(real, store, source, [f"{prefix}:a"], [])
     assert reply == [("error", "value is not an integer or out of range"), 0]
@@ -363,173 +335,103 @@ def test_negative_zero_is_not_an_integer(
 # ------------------------------------------------------------------------- commands
 
 COMMANDS = {
-    "del and exists count keys": """
-        SET {a} 1; EXISTS {a} {a} {b}; DEL {a} {a} {b}; EXISTS {a}; DEL
-    """,
-    "type of each kind": """
-        TYPE {a}; SET {a} v; TYPE {a}; DEL {a}; HSET {a} f v; TYPE {a}; DEL {a}; ZADD {a} 1 m;
-        TYPE {a}
+    "del counts keys": """
+        SET {a} 1; HSET {b} f v; DEL {a} {a} {b}; DEL {a}; DEL; GET {a}
     """,
     "ttl replies": """
-        PTTL {a}; TTL {a}; SET {a} v; PTTL {a}; TTL {a}; PEXPIRE {a} 1700; TTL {a};
-        EXPIRE {a} 100; TTL {a}; PERSIST {a}; PERSIST {a}; PTTL {a}; PERSIST {b};
-        PEXPIRE {b} 100
+        PTTL {a}; SET {a} v; PTTL {a}; PEXPIRE {a} 1700; SET {a} w; PTTL {a}; PEXPIRE {b} 100;
+        HSET {b} f v; PEXPIRE {b} 100000
     """,
-    "expire options": """
-        SET {a} v; PEXPIRE {a} 5000 XX; PEXPIRE {a} 5000 GT; PEXPIRE {a} 5000 LT; TTL {a};
-        PEXPIRE {a} 4000 NX; PEXPIRE {a} 6000 gt; PEXPIRE {a} 6000 GT; PEXPIRE {a} 7000 LT;
-        PEXPIRE {a} 3000 lt xx; TTL {a}; EXPIRE {a} 9 XX GT; TTL {a}
-    """,
-    "expire option errors": """
-        SET {a} v; EXPIRE {a} 10 FOO; EXPIRE {a} 10 NX XX; EXPIRE {a} 10 NX GT;
-        EXPIRE {a} 10 GT LT; EXPIRE {a} ten; EXPIRE {a} 9223372036854775807;
-        PEXPIRE {a} 9223372036854775807; EXPIREAT {a} 9223372036854775807;
-        EXPIRE {a} -9223372036854775808; TTL {a}
+    "expire errors": """
+        SET {a} v; PEXPIRE {a} 10 FOO; PEXPIRE {a} ten; PEXPIRE {a} 9223372036854775807;
+        PEXPIRE {a} 1.5; PEXPIRE {a}; PTTL {a}; PEXPIRE {b} 9223372036854775807;
+        PEXPIRE {b} ten
     """,
     "expire in the past deletes": """
-        SET {a} v; SET {b} v; PEXPIRE {a} -1; PEXPIREAT {b} 1; EXISTS {a} {b}; EXPIRE {a} 0
+        SET {a} v; PEXPIRE {a} -1; PTTL {a}; SET {b} v; PEXPIRE {b} 0; GET {b};
+        SET {a} v; PEXPIRE {a} -9223372036854775808; GET {a}
     """,
-    "expire at a future wall time": """
-        SET {a} v; PEXPIREAT {a} 99999999999999; SET {b} v; EXPIREAT {b} 99999999999
-    """,
-    "set options": """
-        SET {a} v NX; SET {a} w NX; SET {a} x XX; SET {b} x XX; SET {a} y GET; SET {b} z GET;
-        SET {b} q NX GET; SET {a} v PX 5000; TTL {a}; SET {a} v2 KEEPTTL; TTL {a}; SET {a} v3;
-        PTTL {a}; SET {a} v EX 10 EX 20; TTL {a}; SET {b} v PXAT 1; GET {b}; SET {b} v ex 5;
-        GET {a}
+    "set with a ttl": """
+        SET {a} v PX 5000; SET {a} v2; PTTL {a}; GET {a}; SET {b} v px 100 PX 200000; GET {b}
     """,
     "set option errors": """
-        SET {a} v NX XX; SET {a} v KEEPTTL EX 5; SET {a} v EX; SET {a} v EX 0; SET {a} v PX -5;
-        SET {a} v EX abc; SET {a} v EX 9223372036854775807; SET {a} v PX 9223372036854775807;
-        SET {a} v PX 5 EX 5; SET {a} v FOO; SET {a} v PERSIST; EXISTS {a}
+        SET {a} v PX; SET {a} v PX 0; SET {a} v PX -5; SET {a} v PX abc;
+        SET {a} v PX 9223372036854775807; SET {a} v FOO; SET {a} v PX 5 FOO; SET {a}; GET {a}
     """,
     "set replaces a hash": """
         HSET {a} f v; SET {a} s; GET {a}
     """,
-    "integer counters": """
-        INCR {a}; INCRBY {a} 41; DECR {a}; DECRBY {a} -10; INCRBY {a} -100; PEXPIRE {a} 5000;
-        INCR {a}; TTL {a}
-    """,
     "integer parsing is strict": """
-        SET {a} 1.5; INCR {a}; SET {a} ' 1'; INCR {a}; SET {a} 01; INCR {a}; SET {a} +1;
-        INCR {a}; SET {a} -0; INCR {a}; SET {a} 0; INCRBY {a} 1e3; INCRBY {a} '';
-        INCRBY {a} -9223372036854775808; INCRBY {a} -9223372036854775809
-    """,
-    "integer overflow": """
-        SET {a} 9223372036854775807; INCR {a}; DECRBY {a} -1; SET {a} -9223372036854775808;
-        DECR {a}; DECRBY {a} -9223372036854775808; DECRBY {b} -9223372036854775808; GET {a}
-    """,
-    "float counters use long double": """
-        SET {a} 0.1; INCRBYFLOAT {a} 0.2; SET {a} 10.5; INCRBYFLOAT {a} 0.1;
-        INCRBYFLOAT {a} -10.6; INCRBYFLOAT {b} 3.0e3; INCRBYFLOAT {b} 1e25;
-        INCRBYFLOAT {b} 2.0000000000000000001; SET {b} 1; INCRBYFLOAT {b} 1e400
-    """,
-    "float rounding ties and zeros": """
-        SET {a} 0; INCRBYFLOAT {a} 0.000003814697265625; INCRBYFLOAT {a} 0.000007629394531250;
-        SET {a} -0; INCRBYFLOAT {a} -0; SET {a} -1e-20; INCRBYFLOAT {a} 0; SET {a} 0x10;
-        INCRBYFLOAT {a} 0x1p-2; INCRBYFLOAT {a} -.5
-    """,
-    "float parsing errors": """
-        SET {a} 1; INCRBYFLOAT {a} inf; INCRBYFLOAT {a} ' 1'; INCRBYFLOAT {a} '1 ';
-        INCRBYFLOAT {a} 1e-5000; INCRBYFLOAT {a} nan; INCRBYFLOAT {a} ''; INCRBYFLOAT {a} 1_0;
-        SET {a} abc; INCRBYFLOAT {a} 1; SET {a} '1\x00x'; INCRBYFLOAT {a} 1; GET {a}
+        SET {a} v; PEXPIRE {a} 1.5; PEXPIRE {a} ' 1'; PEXPIRE {a} 01; PEXPIRE {a} +1;
+        PEXPIRE {a} -0; PEXPIRE {a} ''; PEXPIRE {a} 1e3; PEXPIRE {a} 99999999999999999999;
+        PEXPIRE {a} -9223372036854775809; PTTL {a}
     """,
     "hash basics": """
-        HSET {a} f1 v1 f2 v2; HSET {a} f1 w f3 v3; HGET {a} f1; HGET {a} nope; HGET {b} f1;
-        HMGET {a} f3 nope f1; HMGET {b} x; HGETALL {a}; HGETALL {b}; HLEN {a}; HLEN {b};
-        HEXISTS {a} f2; HEXISTS {a} zz; HKEYS {a}; HVALS {a}; HSETNX {a} f1 x; HSETNX {a} f4 x;
-        HMSET {b} k v; HGETALL {a}
+        HSET {a} f1 v1 f2 v2; HSET {a} f1 w f3 v3; HGETALL {a}; HGETALL {b}
     """,
     "hash deletes keep order and drop empty hashes": """
         HSET {a} f1 1 f2 2 f3 3; HDEL {a} f2 f2 zz; HSET {a} f2 x; HGETALL {a};
-        PEXPIRE {a} 5000; HSET {a} f9 9; TTL {a}; HDEL {a} f1 f2 f3 f9; EXISTS {a}; TYPE {a};
-        HDEL {b} x
+        HDEL {a} f1 f2 f3; PTTL {a}; HGETALL {a}; HDEL {b} x; HSET {b} g 1; PEXPIRE {b} 5000;
+        HSET {b} h 2; HDEL {b} g
     """,
     "hash argument errors": """
-        HSET {a} f v g; HMSET {a} f v g; HSET {a} f; HGET {a}; EXISTS {a}
-    """,
-    "hash counters": """
-        HINCRBY {a} n 5; HINCRBY {a} n -7; HINCRBY {a} n x;
-        HSET {a} s abc i 9223372036854775807 f 1.5; HINCRBY {a} s 1; HINCRBY {a} i 1;
-        HINCRBY {a} f 1; HINCRBYFLOAT {a} f 0.1; HINCRBYFLOAT {a} n 0.5; HINCRBYFLOAT {a} s 1;
-        HINCRBYFLOAT {a} x inf; HINCRBYFLOAT {a} x abc; HINCRBYFLOAT {b} x 2.5e-3; HGETALL {a}
+        HSET {a} f v g; HSET {a} f; HDEL {a}; HGETALL {a} {b}; HGETALL {a}
     """,
     "wrong types": """
-        SET {a} s; HSET {b} f v; HGET {a} f; HSET {a} f v; HGETALL {a}; HDEL {a} f;
-        HINCRBY {a} f 1; HINCRBYFLOAT {a} f 1; HLEN {a}; GET {b}; INCR {b}; INCRBYFLOAT {b} 1;
-        SET {b} x GET; ZADD {a} 1 m; ZSCORE {b} m; ZRANGE {b} 0 -1; ZRANGEBYSCORE {b} 0 1;
-        ZREM {b} m; ZCARD {b}; ZCOUNT {b} 0 1; ZREMRANGEBYSCORE {b} 0 1; ZRANK {b} m;
-        ZINCRBY {b} 1 m; EXISTS {a} {b}
+        SET {a} s; HSET {b} f v; HSET {a} f v; HGETALL {a}; HDEL {a} f; GET {b}; ZADD {a} 1 m;
+        ZADD {b} XX 1 m; ZRANGE {b} 0 -1; ZRANGEBYSCORE {b} 0 1; ZREM {b} m; ZCOUNT {b} 0 1;
+        ZREMRANGEBYSCORE {b} 0 1; PEXPIRE {b} 100000; SET {b} x; GET {b}
     """,
     "unknown commands and arity": """
-        NOPE x; GET; GET {a} {b}; ZADD {a} 1; PING a b; PING; PING hello; TIME x; get {a};
-        gEt {a}
+        NOPE x; GET; GET {a} {b}; ZADD {a} 1; TIME x; PTTL; get {a}; gEt {a}
     """,
     "zadd basics": """
-        ZADD {a} 1 m1 2 m2; ZADD {a} 3 m1 4 m3; ZADD {a} CH 5 m1 4 m3 6 m4; ZSCORE {a} m1;
-        ZSCORE {a} zz; ZSCORE {b} m1; ZCARD {a}; ZCARD {b}; ZADD {a} NX 9 m1 9 m9;
-        ZADD {a} XX 8 m1 8 m8; ZADD {b} XX 1 m; ZADD {b} XX INCR 1 m; EXISTS {b};
-        ZRANGE {a} 0 -1 WITHSCORES
-    """,
-    "zadd gt lt and incr": """
-        ZADD {a} 5 m; ZADD {a} GT CH 3 m; ZADD {a} GT CH 7 m; ZADD {a} LT CH 9 m;
-        ZADD {a} LT CH 1 m; ZADD {a} XX GT 5 m; ZADD {a} GT INCR -1 m; ZADD {a} INCR 2.5 m;
-        ZADD {a} NX INCR 2.5 m; ZADD {a} GT 10 new; ZINCRBY {a} 0.1 m; ZINCRBY {a} 5 fresh;
-        ZINCRBY {b} -2 x; ZRANGE {a} 0 -1 WITHSCORES
+        ZADD {a} 1 m1 2 m2; ZADD {a} 3 m1 4 m3; ZADD {a} 1 m1 1 m1 5 m5;
+        ZRANGE {a} 0 -1 WITHSCORES; ZADD {a} XX 8 m1 8 m8; ZADD {a} xx 8 m1;
+        ZRANGE {a} 0 -1 WITHSCORES; ZADD {b} XX 1 m; PTTL {b}
     """,
     "zadd errors": """
-        ZADD {a} 1 a 2; ZADD {a} NX XX 1 a; ZADD {a} GT LT 1 a; ZADD {a} NX GT 1 a;
-        ZADD {a} INCR 1 a 2 b; ZADD {a} x a; ZADD {a} nan a; ZADD {a} 1e400 a; ZADD {a} ' 1' a;
-        ZADD {a} '1 ' a; ZADD {a} '' a; ZADD {a} 1e-400 a; ZADD {a} 1 ok bad no; ZADD {a} NX;
-        ZINCRBY {a} nx m; EXISTS {a}
+        ZADD {a} 1 a 2; ZADD {a} x a; ZADD {a} nan a; ZADD {a} 1e400 a; ZADD {a} ' 1' a;
+        ZADD {a} '1 ' a; ZADD {a} '' a; ZADD {a} 1e-400 a; ZADD {a} 1 ok bad no; ZADD {a} XX 1;
+        ZADD {a} XX 1 a 2; PTTL {a}
     """,
     "zadd scores are formatted like redis": """
         ZADD {a} 0.1 a -0 b inf c -inf d 1e-310 e;
-        ZADD {a} 0x10 f +5 g 1E3 h -.5 i 1. j Infinity k; ZRANGE {a} 0 -1 WITHSCORES;
-        ZSCORE {a} b; ZINCRBY {a} -inf c; ZADD {a} INCR -inf c; ZINCRBY {a} 0 b; ZSCORE {a} b;
-        ZINCRBY {a} 1e308 a; ZINCRBY {a} 1e308 a
+        ZADD {a} 0x10 f +5 g 1E3 h -.5 i 1. j Infinity k 1700000000123456 l 0.30000000000000004 m;
+        ZRANGE {a} 0 -1 WITHSCORES
     """,
     "equal scores order by member": """
-        ZADD {a} 1 b 1 a 1 c 0 z 2 0; ZRANGE {a} 0 -1; ZRANK {a} c; ZREVRANK {a} c;
-        ZRANK {a} nope; ZRANK {b} x
+        ZADD {a} 1 b 1 a 1 c 0 z 2 0; ZRANGE {a} 0 -1; ZRANGE {a} -1 -1 WITHSCORES
     """,
     "zrange by rank": """
         ZADD {a} 1 a 2 b 3 c 4 d; ZRANGE {a} 0 1; ZRANGE {a} -2 -1 WITHSCORES;
-        ZRANGE {a} -100 100; ZRANGE {a} 3 1; ZRANGE {a} 4 10; ZRANGE {a} 0 -5;
-        ZRANGE {a} 0 1 REV; ZREVRANGE {a} 0 1 WITHSCORES; ZRANGE {b} 0 -1; ZRANGE {a} a 1;
-        ZRANGE {a} 0.5 1; ZRANGE {a} 0 1 LIMIT 0 1; ZRANGE {a} 0 1 BYLEX2; ZREVRANGE {a} 0 1 REV
+        ZRANGE {a} -100 100; ZRANGE {a} 3 1; ZRANGE {a} 4 10; ZRANGE {a} 0 -5; ZRANGE {b} 0 -1;
+        ZRANGE {a} a 1; ZRANGE {a} 0.5 1; ZRANGE {a} 0 1 withscores; ZRANGE {a} 0 1 BYLEX2;
+        ZRANGE {a} 0 1 WITHSCORES FOO
     """,
     "zrange by score": """
         ZADD {a} 1 a 2 b 3 c 4 d; ZRANGEBYSCORE {a} (1 +inf; ZRANGEBYSCORE {a} -inf (3;
         ZRANGEBYSCORE {a} '' ' 2'; ZRANGEBYSCORE {a} 2 2 WITHSCORES; ZRANGEBYSCORE {a} (2 2;
         ZRANGEBYSCORE {a} 3 1; ZRANGEBYSCORE {a} -inf +inf LIMIT 1 2;
         ZRANGEBYSCORE {a} -inf +inf LIMIT 1 -1 WITHSCORES;
+        ZRANGEBYSCORE {a} -inf +inf WITHSCORES LIMIT 2 1;
         ZRANGEBYSCORE {a} -inf +inf LIMIT -1 2; ZRANGEBYSCORE {a} -inf +inf LIMIT 4 2;
         ZRANGEBYSCORE {a} -inf +inf LIMIT 0 0; ZRANGEBYSCORE {a} ( 1e400;
         ZRANGEBYSCORE {a} 0x1 (0x4; ZRANGEBYSCORE {a} a b; ZRANGEBYSCORE {a} 1 nan;
         ZRANGEBYSCORE {a} 1 '2 '; ZRANGEBYSCORE {a} 1 2 LIMIT 1; ZRANGEBYSCORE {a} 1 2 REV;
-        ZRANGEBYSCORE {a} 1 2 LIMIT x 1; ZREVRANGEBYSCORE {a} +inf (1 LIMIT 1 5 WITHSCORES;
-        ZRANGE {a} (1 3 BYSCORE LIMIT 0 1; ZRANGE {a} 3 1 BYSCORE REV WITHSCORES;
-        ZRANGEBYSCORE {b} 0 1
+        ZRANGEBYSCORE {a} 1 2 LIMIT x 1; ZRANGEBYSCORE {b} 0 1
     """,
     "zcount": """
         ZADD {a} 1 a 2 b 3 c; ZCOUNT {a} -inf +inf; ZCOUNT {a} (1 3; ZCOUNT {a} 2 (2;
         ZCOUNT {b} 0 9; ZCOUNT {a} 1 x; ZCOUNT {b} x 1
     """,
     "zrem and empty sorted sets disappear": """
-        ZADD {a} 1 a 2 b; ZREM {a} a a zz; ZREM {b} a; ZREM {a} b; EXISTS {a}; TYPE {a};
-        ZCARD {a}
+        ZADD {a} 1 a 2 b; ZREM {a} a a zz; ZREM {b} a; ZREM {a} b; ZRANGE {a} 0 -1; PTTL {a}
     """,
     "zremrangebyscore": """
         ZADD {a} 1 a 2 b 3 c 4 d; ZREMRANGEBYSCORE {a} (1 2; ZREMRANGEBYSCORE {a} 5 9;
         ZREMRANGEBYSCORE {a} x 9; ZREMRANGEBYSCORE {b} 0 9; ZRANGE {a} 0 -1;
-        ZREMRANGEBYSCORE {a} -inf +inf; EXISTS {a}
-    """,
-    "zremrangebyrank": """
-        ZADD {a} 1 a 2 b 3 c 4 d 5 e; ZREMRANGEBYRANK {a} -1 -1; ZREMRANGEBYRANK {a} 1 0;
-        ZREMRANGEBYRANK {a} 10 20; ZREMRANGEBYRANK {a} 0 1; ZRANGE {a} 0 -1;
-        ZREMRANGEBYRANK {a} x 1; ZREMRANGEBYRANK {a} -100 100; EXISTS {a};
-        ZREMRANGEBYRANK {b} 0 1
+        ZREMRANGEBYSCORE {a} -inf +inf; PTTL {a}
     """,
 }
 
@@ -582,10 +484,9 @@ def test_a_key_expires_after_its_ttl(real: redis.Redis, prefix: str) -> None:
     store = EmbeddedStore(monotonic=clock)
     store.eval("redis.call('SET', KEYS[1], 'v', 'PX', 30)", [key], [])
     clock.advance(0.029)
-    assert store.pttl(key) == 1 and store.exists(key)
+    assert store.pttl(key) == 1 and store.keys() == [key.encode()]
     clock.advance(0.002)
-    assert not store.exists(key)
-    assert store.type(key) == "none" and store.pttl(key) == -2 and store.keys() == []
+    assert store.pttl(key) == -2 and store.keys() == []
 
 
 def test_a_key_lives_through_its_last_millisecond() -> None:
@@ -597,25 +498,23 @@ def test_a_key_lives_through_its_last_millisecond() -> None:
     clock.advance(0.1)
     assert store.pttl("h") == 0 and store.hgetall("h") == {b"f": b"v"}
     clock.advance(0.001)
-    assert store.hgetall("h") == {} and store.type("h") == "none"
+    assert store.hgetall("h") == {} and store.pttl("h") == -2
 
 
 def test_aggregates_expire_and_ttls_survive_writes() -> None:
-    """HSET, ZADD and INCR keep a key's TTL; SET drops it unless KEEPTTL."""
+    """HSET, HDEL, ZADD and ZREM keep a key's TTL; SET drops it."""
     clock = ManualClock()
     store = EmbeddedStore(monotonic=clock)
     script = """
-    redis.call('HSET', KEYS[1], 'f', 1) redis.call('PEXPIRE', KEYS[1], 1000)
-    redis.call('HINCRBY', KEYS[1], 'f', 1)
+    redis.call('HSET', KEYS[1], 'f', 1, 'g', 1) redis.call('PEXPIRE', KEYS[1], 1000)
+    redis.call('HSET', KEYS[1], 'f', 2) redis.call('HDEL', KEYS[1], 'g')
     redis.call('ZADD', KEYS[2], 1, 'm') redis.call('PEXPIRE', KEYS[2], 1000)
-    redis.call('ZADD', KEYS[2], 2, 'n')
-    redis.call('SET', KEYS[3], 1, 'PX', 1000) redis.call('INCR', KEYS[3])
-    redis.call('SET', KEYS[4], 1, 'PX', 1000) redis.call('SET', KEYS[4], 2)
-    redis.call('SET', KEYS[5], 1, 'PX', 1000) redis.call('SET', KEYS[5], 2, 'KEEPTTL')
+    redis.call('ZADD', KEYS[2], 2, 'n') redis.call('ZREM', KEYS[2], 'm')
+    redis.call('SET', KEYS[3], 1, 'PX', 1000) redis.call('SET', KEYS[3], 2)
     """
-    keys = ["h", "z", "counter", "plain", "kept"]
+    keys = ["h", "z", "plain"]
     store.eval(script, keys, [])
-    assert [store.pttl(key) for key in keys] == [1000, 1000, 1000, -1, 1000]
+    assert [store.pttl(key) for key in keys] == [1000, 1000, -1]
     clock.advance(1.001)
     assert store.keys() == [b"plain"]
 
@@ -629,30 +528,31 @@ def test_time_is_frozen_for_a_whole_script(real: redis.Redis, prefix: str) -> No
       local now = redis.call('TIME')
       local waited = (now[1] - start[1]) * 1000000 + (now[2] - start[2])
     until waited > 5000
-    return {redis.call('EXISTS', KEYS[1]), redis.call('PTTL', KEYS[1])}
+    return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1])}
     """
-    assert real.eval(source, 1, f"{prefix}:a") == [1, 0]
+    assert real.eval(source, 1, f"{prefix}:a") == [b"v", 0]
     store = EmbeddedStore()
-    assert store.eval(source, [f"{prefix}:a"], []) == [1, 0]
+    assert store.eval(source, [f"{prefix}:a"], []) == [b"v", 0]
 
     ticks = itertools.count(1000.0, 1.0)  # every script starts one second later
     ticking = EmbeddedStore(monotonic=lambda: next(ticks))
-    source = "redis.call('SET', KEYS[1], 'v', 'PX', 500) return redis.call('EXISTS', KEYS[1])"
-    assert ticking.eval(source, ["k"], []) == 1
-    assert ticking.eval("return redis.call('EXISTS', KEYS[1])", ["k"], []) == 0
+    source = "redis.call('SET', KEYS[1], 'v', 'PX', 500) return redis.call('GET', KEYS[1])"
+    assert ticking.eval(source, ["k"], []) == b"v"
+    assert ticking.eval("return redis.call('GET', KEYS[1])", ["k"], []) is None
 
 
 def test_expiry_ignores_wall_clock_jumps() -> None:
-    """Deadlines live on the monotonic clock; PEXPIREAT converts from the wall clock once."""
+    """Deadlines live on the monotonic clock: a wall clock jump neither expires nor revives."""
     clock, wall = ManualClock(), ManualClock(1_700_000_000.0)
     store = EmbeddedStore(monotonic=clock, wall=wall)
     store.execute_command("SET", "k", "v", "PX", 1000)
-    store.execute_command("SET", "at", "v")
-    store.execute_command("PEXPIREAT", "at", 1_700_000_000_500)
+    store.execute_command("SET", "p", "v")
+    store.execute_command("PEXPIRE", "p", 500)
     wall.advance(86_400)
-    assert store.pttl("k") == 1000 and store.pttl("at") == 500
+    assert store.pttl("k") == 1000 and store.pttl("p") == 500
+    wall.advance(-2 * 86_400)
     clock.advance(0.501)
-    assert store.exists("k") and not store.exists("at")
+    assert store.pttl("k") == 499 and store.pttl("p") == -2
 
 
 def test_expired_keys_are_swept_without_being_read() -> None:
@@ -680,11 +580,10 @@ def test_script_load_returns_the_redis_sha(real: redis.Redis, store: EmbeddedSto
     sha = store.script_load(source)
     assert sha == real.script_load(source) == hashlib.sha1(source.encode()).hexdigest()
     assert store.evalsha(sha, [], []) == store.evalsha(sha.upper(), [], []) == b"loaded"
-    assert store.script_exists(sha, "0" * 40) == [True, False]
 
 
 def test_unknown_scripts_raise_noscript(real: redis.Redis, store: EmbeddedStore) -> None:
-    """EVALSHA of an unknown or flushed script fails with Redis' NOSCRIPT error."""
+    """EVALSHA of an unknown script fails with Redis' NOSCRIPT error."""
     with pytest.raises(redis.exceptions.NoScriptError) as expected:
         real.evalsha("0" * 40, 0)
     with pytest.raises(NoScriptError) as actual:
@@ -692,15 +591,11 @@ def test_unknown_scripts_raise_noscript(real: redis.Redis, store: EmbeddedStore)
     assert isinstance(actual.value, ScriptError)
     assert str(actual.value) == "NOSCRIPT No matching script. Please use EVAL."
     assert _redis_py_text(str(actual.value)) == str(expected.value)
-    sha = store.script_load("return 1")
-    store.script_flush()
-    with pytest.raises(NoScriptError):
-        store.evalsha(sha, [], [])
 
 
 def test_scripts_cannot_reach_python(store: EmbeddedStore) -> None:
-    """The redis.* functions are Python objects, but their attributes are out of reach."""
-    for probe in ("return redis.sha1hex.__class__", "return redis.call.__globals__"):
+    """No Python object or attribute is within a script's reach."""
+    for probe in ("return redis.error_reply.__class__", "return redis.call.__globals__"):
         with pytest.raises(ScriptError):
             store.eval(probe, [], [])
     with pytest.raises(ScriptError, match="nonexistent global variable 'python'"):
@@ -721,8 +616,8 @@ def test_one_script_cannot_break_the_next(store: EmbeddedStore) -> None:
     ):
         with pytest.raises(ScriptError, match="readonly table"):
             store.eval(attack, [], [])
-    assert store.eval("return {redis.call('PING'), string.format('%d', 7)}", [], []) == [
-        b"PONG",
+    assert store.eval("return {type(redis.call('TIME')), string.format('%d', 7)}", [], []) == [
+        b"table",
         b"7",
     ]
 
@@ -742,31 +637,27 @@ def test_binary_keys_and_arguments_round_trip(
 
 
 def test_direct_helpers(store: EmbeddedStore) -> None:
-    """delete/exists/pttl/type/hgetall/keys answer like the commands they stand for."""
+    """delete/pttl/hgetall/keys and ZCARD answer like the commands they stand for."""
     store.eval(
         "redis.call('HSET', 'h', 'f', 'v') redis.call('SET', 's', 1, 'PX', 5000) "
-        "redis.call('ZADD', 'z', 1, 'm')",
+        "redis.call('ZADD', 'z', 1, 'm', 2, 'n')",
         [],
         [],
     )
     assert sorted(store.keys()) == [b"h", b"s", b"z"]
-    assert [store.type(key) for key in ("h", b"s", "z", "none")] == [
-        "hash",
-        "string",
-        "zset",
-        "none",
-    ]
     assert store.hgetall("h") == {b"f": b"v"} and store.hgetall("none") == {}
     # Real time runs on between the SET and the PTTL (the store's clock is not frozen here).
     assert 4_900 < store.pttl("s") <= 5000
     assert (store.pttl("h"), store.pttl("none")) == (-1, -2)
-    assert store.exists("s") and not store.exists("none")
+    assert store.execute_command("ZCARD", "z") == 2 and store.execute_command("zcard", "x") == 0
     with pytest.raises(ScriptError, match=r"^WRONGTYPE"):
         store.hgetall("s")
+    with pytest.raises(ScriptError, match=r"^WRONGTYPE"):
+        store.execute_command("ZCARD", "h")
+    with pytest.raises(ScriptError, match="Unknown Redis command called from script"):
+        store.eval("return redis.call('ZCARD', 'z')", [], [])
     assert store.delete("h", "s", "none") == 2 and store.delete() == 0
     assert store.keys() == [b"z"]
-    store.flushall()
-    assert store.keys() == []
 
 
 def test_scripts_are_atomic_across_threads(store: EmbeddedStore) -> None:
@@ -792,8 +683,6 @@ def test_scripts_are_atomic_across_threads(store: EmbeddedStore) -> None:
 _FIELDS = st.sampled_from(["f1", "f2", "f3"])
 _MEMBERS = st.sampled_from(["m1", "m2", "m3", "m4"])
 _VALUES = st.sampled_from(["v", "5", "1.5", "-3", "0", "10"])
-_INTEGERS = st.sampled_from(["0", "1", "-1", "7", "-0", "01", "+1", " 1", "1.5", "abc", ""])
-_FLOATS = st.sampled_from(["0.1", "-0.5", "2.5", "1e3", "-0", "inf", "0x10", " 1", "nan", "3"])
 _SCORES = st.sampled_from(["0", "1", "-1", "2.5", "0.1", "-0", "inf", "-inf", "1e400", "x", "7"])
 _BOUNDS = st.sampled_from(["-inf", "+inf", "0", "1", "(1", "2.5", "(2.5", "", "(", " 1", "x"])
 _RANKS = st.sampled_from(["0", "1", "-1", "-2", "2", "10", "-10", "x"])
@@ -809,41 +698,14 @@ def _command() -> st.SearchStrategy[list[str]]:
         )
 
     return st.one_of(
-        build(
-            st.just("SET"),
-            _KEY,
-            _VALUES,
-            st.sampled_from(
-                [[], ["NX"], ["XX"], ["GET"], ["KEEPTTL"], ["PX", "100000"], ["EX", "7"]]
-            ),
-        ),
-        build(st.sampled_from(["GET", "DEL", "TYPE", "TTL", "PERSIST", "HGETALL"]), _KEY),
-        build(st.just("EXISTS"), _KEY, _KEY),
-        build(st.sampled_from(["INCRBY", "DECRBY"]), _KEY, _INTEGERS),
-        build(st.just("INCRBYFLOAT"), _KEY, _FLOATS),
-        build(
-            st.just("PEXPIRE"),
-            _KEY,
-            st.sampled_from(["100000", "5000", "-1"]),
-            st.sampled_from([[], ["NX"], ["XX"], ["GT"], ["LT"]]),
-        ),
+        build(st.just("SET"), _KEY, _VALUES, st.sampled_from([[], ["PX", "100000"]])),
+        build(st.sampled_from(["GET", "DEL", "HGETALL"]), _KEY),
+        build(st.just("DEL"), _KEY, _KEY),
+        build(st.just("PEXPIRE"), _KEY, st.sampled_from(["100000", "5000", "-1", "0", "x"])),
         build(st.just("HSET"), _KEY, _FIELDS, _VALUES),
-        build(st.just("HSETNX"), _KEY, _FIELDS, _VALUES),
-        build(st.just("HINCRBY"), _KEY, _FIELDS, _INTEGERS),
-        build(st.just("HINCRBYFLOAT"), _KEY, _FIELDS, _FLOATS),
         build(st.just("HDEL"), _KEY, _FIELDS),
-        build(st.just("HMGET"), _KEY, _FIELDS, _FIELDS),
-        build(
-            st.just("ZADD"),
-            _KEY,
-            st.sampled_from(
-                [[], ["NX"], ["XX"], ["GT"], ["LT"], ["CH"], ["INCR"], ["XX", "CH", "GT"]]
-            ),
-            _SCORES,
-            _MEMBERS,
-        ),
-        build(st.just("ZINCRBY"), _KEY, _SCORES, _MEMBERS),
-        build(st.sampled_from(["ZREM", "ZSCORE", "ZRANK"]), _KEY, _MEMBERS),
+        build(st.just("ZADD"), _KEY, st.sampled_from([[], ["XX"]]), _SCORES, _MEMBERS),
+        build(st.just("ZREM"), _KEY, _MEMBERS),
         build(st.sampled_from(["ZCOUNT", "ZREMRANGEBYSCORE"]), _KEY, _BOUNDS, _BOUNDS),
         build(
             st.just("ZRANGEBYSCORE"),
@@ -854,8 +716,7 @@ def _command() -> st.SearchStrategy[list[str]]:
                 [[], ["WITHSCORES"], ["LIMIT", "1", "2"], ["LIMIT", "0", "-1", "WITHSCORES"]]
             ),
         ),
-        build(st.sampled_from(["ZRANGE", "ZREMRANGEBYRANK"]), _KEY, _RANKS, _RANKS),
-        build(st.just("ZRANGE"), _KEY, _RANKS, _RANKS, st.just("WITHSCORES")),
+        build(st.just("ZRANGE"), _KEY, _RANKS, _RANKS, st.sampled_from([[], ["WITHSCORES"]])),
     )
 
 

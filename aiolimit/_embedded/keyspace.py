@@ -1,19 +1,69 @@
-"""The embedded backend's keyspace: keys, values and deadlines, expired as Redis does.
+"""The embedded engine's keyspace: keys, values and deadlines, expired as Redis does.
 
 Values are bytes (strings), dicts (hashes) and ``SortedSet``. Expiry is lazy (a read of a due
 key drops it) plus a bounded sweep of due keys at the start of each script or command. As in
 Redis 7.0, expiry is judged by the time the script started, while TTL arithmetic (PTTL,
-PEXPIRE's base) reads the live clock. The commands that use it live in ``commands``.
+PEXPIRE's base) reads the live clock. Deadlines live on the monotonic clock, so a jump of the
+wall clock neither expires nor revives a key. The commands that use it live in ``commands``.
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
-from .replies import WRONGTYPE, CommandError
-from .sorted_sets import SortedSet
+Reply: TypeAlias = "int | bytes | list[Reply] | None"
+
+WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
+
+
+class CommandError(Exception):
+    """A command failed; the message is Redis' error line, for example ``ERR syntax error``."""
+
+
+class Status(bytes):
+    """A status reply (``+OK``), which scripts see as ``{ok = ...}`` rather than a string."""
+
+
+class SortedSet:
+    """A ZSET: member -> score, plus the (score, member) pairs kept in Redis' order."""
+
+    __slots__ = ("entries", "scores")
+
+    def __init__(self) -> None:
+        self.scores: dict[bytes, float] = {}
+        self.entries: list[tuple[float, bytes]] = []
+
+    def insert(self, member: bytes, score: float) -> None:
+        score += 0.0  # Redis' small-set encoding stores -0 as 0
+        self.scores[member] = score
+        insort(self.entries, (score, member))
+
+    def remove(self, member: bytes) -> None:
+        score = self.scores.pop(member)
+        del self.entries[bisect_left(self.entries, (score, member))]
+
+    def score_slice(self, low: tuple[float, bool], high: tuple[float, bool]) -> tuple[int, int]:
+        """Index range [start, stop) of the entries whose score lies within the bounds."""
+        start = (bisect_right if low[1] else bisect_left)(self.entries, low[0], key=_score)
+        stop = (bisect_left if high[1] else bisect_right)(self.entries, high[0], key=_score)
+        return start, max(start, stop)
+
+    def rank_slice(self, start: int, end: int) -> tuple[int, int]:
+        """Redis' index rules: negative counts from the end, clamped; [start, stop) or empty."""
+        size = len(self.entries)
+        start, end = start + size if start < 0 else start, end + size if end < 0 else end
+        start = max(start, 0)
+        if start > end or start >= size:
+            return 0, 0
+        return start, min(end, size - 1) + 1
+
+
+def _score(entry: tuple[float, bytes]) -> float:
+    return entry[0]
+
 
 Value = bytes | dict[bytes, bytes] | SortedSet
 
@@ -82,19 +132,14 @@ class Keyspace:
                 self.data[bytes(key)] = value
         return value
 
-    def get_zset(self, key: bytes) -> SortedSet | None:
+    def get_zset(self, key: bytes, *, create: bool = False) -> SortedSet:
+        """The sorted set at key; a missing one reads as empty (stored when create is set)."""
         value: SortedSet | None = self._typed(key, SortedSet)
+        if value is None:
+            value = SortedSet()
+            if create:
+                self.data[bytes(key)] = value
         return value
-
-    def type_name(self, key: bytes) -> str:
-        value = self.get(key)
-        names = {bytes: "string", dict: "hash", SortedSet: "zset"}
-        return "none" if value is None else names[type(value)]
-
-    def clear(self) -> None:
-        self.data.clear()
-        self.expires.clear()
-        self._deadlines.clear()
 
     def remove(self, key: bytes) -> bool:
         self.expires.pop(key, None)
@@ -103,7 +148,7 @@ class Keyspace:
     def drop_if_empty(self, key: bytes) -> None:
         """Redis deletes a hash or sorted set when its last element goes."""
         value = self.data.get(key)
-        if isinstance(value, (dict, SortedSet)) and not (
+        if isinstance(value, dict | SortedSet) and not (
             value.scores if isinstance(value, SortedSet) else value
         ):
             self.remove(key)
@@ -114,11 +159,8 @@ class Keyspace:
         deadline = self.expires.get(key)
         return -1 if deadline is None else max(0, deadline - self.mono_ms)
 
-    def deadline_wall(self, key: bytes) -> int | None:
-        deadline = self.expires.get(key)
-        return None if deadline is None else deadline - self.mono_ms + self.wall_ms
-
-    def expire_at_wall(self, key: bytes, when_ms: int) -> None:
-        deadline = when_ms - self.wall_ms + self.mono_ms
+    def expire_in(self, key: bytes, milliseconds: int) -> None:
+        """Set the key's deadline ``milliseconds`` from now (the live clock)."""
+        deadline = self.mono_ms + milliseconds
         self.expires[bytes(key)] = deadline
         heapq.heappush(self._deadlines, (deadline, bytes(key)))

@@ -1,62 +1,45 @@
-"""The Lua side of the embedded backend: Redis 7.0's scripting environment on real Lua 5.1.
+"""The Lua side of the embedded engine: Redis 7.0's scripting environment on real Lua 5.1.
 
 Scripts run on lupa's Lua 5.1, the version Redis embeds, inside a copy of Redis 7.0's sandbox:
-the same globals (read-only, and reading an undefined one is an error),
-``redis.call``/``pcall``/``error_reply``/``status_reply``/``sha1hex``/``log``, the same reply
-conversions both ways (Lua numbers are truncated to integers, a table stops at its first nil,
-``{ok=}`` and ``{err=}`` tables) and the same error messages. ``redis.call`` reaches the
-keyspace through ``_embedded_commands.execute``; ``replies`` converts the replies.
+the same globals (read-only, and reading an undefined one is an error, so no script can leak
+state into the next), ``redis.call``, ``redis.pcall`` and ``redis.error_reply``, the same error
+messages, and the same reply conversions both ways: a command's nil is ``false``, a status is
+``{ok = ...}``; a script's Lua number is truncated to an integer, ``true`` is 1, ``false`` and
+nil are nil, a table is an array that stops at its first nil, or an ``{err = }`` / ``{ok = }``
+reply. ``redis.call`` reaches the keyspace through ``commands.execute``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 from typing import TYPE_CHECKING, Any
 
-from lupa.lua51 import LuaRuntime
+from lupa.lua51 import LuaRuntime, lua_type
 
 from .commands import execute
-from .replies import CommandError, error_table, to_lua
+from .keyspace import CommandError, Reply, Status
+from .numbers import LLONG_MAX, LLONG_MIN
 
 if TYPE_CHECKING:
     from .keyspace import Keyspace
 
-_log = logging.getLogger("aiolimit.embedded")
-_LOG_LEVELS = (logging.DEBUG, logging.DEBUG, logging.INFO, logging.WARNING)
+_MAX_DEPTH = 200  # nesting of a script's reply (a table holding itself would never end)
 
 
-class _ErrorReply(Exception):
-    """Raised by redis.call and friends: carries the Lua error table Redis would raise."""
-
-    def __init__(self, table: Any) -> None:
-        super().__init__("redis error reply")
-        self.table = table
-
-
-class _SandboxError(AttributeError):
-    """A script reached for an attribute of a Python object (redis.call.__globals__...)."""
+class ScriptError(Exception):
+    """A script or command failed; the message is the error line Redis would send."""
 
 
 def _deny_attribute(obj: object, name: object, is_setting: bool) -> object:
-    raise _SandboxError("scripts cannot reach Python attributes")
+    raise AttributeError("scripts cannot reach Python attributes")
 
 
-def _lua_number_text(value: int | float) -> bytes:
-    """What lua_tostring gives for a number ("%.14g")."""
-    return b"%.14g" % value
+def _clean(raw: bytes) -> bytes:
+    """A status or error line as Redis writes it: cut at NUL, newlines become spaces."""
+    return raw.split(b"\0", 1)[0].replace(b"\r", b" ").replace(b"\n", b" ")
 
 
-def _lua_to_number(value: object) -> float | None:
-    """lua_tonumber: numbers, and strings that read as numbers."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bytes):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+def _error(raw: bytes) -> ScriptError:
+    return ScriptError(_clean(raw).decode("utf-8", "replace"))
 
 
 class Sandbox:
@@ -64,7 +47,6 @@ class Sandbox:
 
     def __init__(self, keyspace: Keyspace) -> None:
         self._keyspace = keyspace
-        self._read_only = False
         self._internal_error: BaseException | None = None
         self._lua = LuaRuntime(
             encoding=None,
@@ -73,136 +55,93 @@ class Sandbox:
             unpack_returned_tuples=True,
             attribute_filter=_deny_attribute,
         )
-        api = self._lua.table_from(
-            {
-                b"error_reply": self._error_reply,
-                b"status_reply": self._status_reply,
-                b"sha1hex": self._sha1hex,
-                b"log": self._redis_log,
-                b"setresp": self._setresp,
-                b"set_repl": self._set_repl,
-                b"replicate_commands": lambda *args: True,
-                b"breakpoint": lambda *args: False,
-                b"debug": lambda *args: (),  # () is "no value" in Lua, as in Redis
-            }
-        )
-        self._compile, self._run = self._lua.execute(
-            _SANDBOX_LUA, api, self._dispatch, self._unwrap
-        )
+        self._compile, self._run = self._lua.execute(_SANDBOX_LUA, self._dispatch)
 
-    def compile(self, source: bytes) -> tuple[Any, Any]:
-        """The script as a Lua function, or None and the compiler's message."""
+    def compile(self, source: bytes) -> Any:
+        """The script as a Lua function; a syntax error raises Redis' message."""
         function, error = self._compile(source)
-        return function, error
+        if function is None:
+            message = _clean(error).decode("utf-8", "surrogateescape")
+            raise ScriptError(f"ERR Error compiling script (new function): {message}")
+        return function
 
-    def run(
-        self, function: Any, keys: list[bytes], args: list[bytes], sha: str, *, read_only: bool
-    ) -> tuple[bool, bytes]:
-        """Run a compiled script: (True, its reply as RESP2) or (False, Redis' error line).
+    def run(self, function: Any, keys: list[bytes], args: list[bytes], sha: str) -> Any:
+        """Run a compiled script: its reply as redis-py returns it, or ScriptError.
 
         An exception raised inside the bridge (a bug here, not in the script) is re-raised.
         """
-        keys_table = self._lua.table_from(keys)
-        args_table = self._lua.table_from(args)
-        self._read_only, self._internal_error = read_only, None
-        try:
-            ok, payload = self._run(function, keys_table, args_table, sha.encode())
-        finally:
-            self._read_only = False
+        self._internal_error = None
+        ok, result = self._run(
+            function, self._lua.table_from(keys), self._lua.table_from(args), sha.encode()
+        )
         if self._internal_error is not None:
             raise self._internal_error
-        return ok, payload
+        if not ok:
+            raise _error(result)
+        reply = _from_lua(result, 0)
+        if isinstance(reply, ScriptError):
+            raise reply
+        return reply
 
-    def _dispatch(self, raise_error: bool, *args: bytes) -> Any:
-        """redis.call (raise_error) and redis.pcall, after the Lua side turned numbers to text."""
+    def _dispatch(self, *args: bytes) -> tuple[bool, Any]:
+        """redis.call and redis.pcall, after the Lua side turned numbers to text."""
         try:
-            reply = execute(self._keyspace, args, from_script=True, read_only=self._read_only)
+            return True, self._to_lua(execute(self._keyspace, args, from_script=True))
         except CommandError as error:
-            raw = str(error).encode("utf-8", "surrogateescape")
-            table = error_table(self._lua, b"-" + raw, from_command=True)
-        except Exception as error:  # a bug in this module: abort the script, surface it
+            return False, str(error).encode("utf-8", "surrogateescape")
+        except Exception as error:  # a bug in this package: abort the script, surface it
             self._internal_error = error
-            table = error_table(self._lua, b"ERR internal error in the embedded store")
-        else:
-            return to_lua(self._lua, reply)
-        if raise_error:
-            raise _ErrorReply(table)
-        return table
+            return False, b"ERR internal error in the embedded store"
 
-    def _unwrap(self, error: object) -> Any:
-        """Lua sees a Python exception raised from redis.call; give back the error table."""
-        if isinstance(error, _ErrorReply):
-            return error.table
-        if isinstance(error, _SandboxError):
-            return error_table(self._lua, str(error).encode())
-        if isinstance(error, BaseException):
-            self._internal_error = error
+    def _to_lua(self, reply: Reply) -> Any:
+        """Redis -> Lua: nil is false, arrays are tables, a status is {ok = ...}."""
+        if reply is None:
+            return False
+        if isinstance(reply, Status):
+            return self._lua.table_from({b"ok": bytes(reply)})
+        if isinstance(reply, list):
+            return self._lua.table_from(
+                [item if type(item) in (bytes, int) else self._to_lua(item) for item in reply]
+            )
+        return reply
+
+
+def _from_lua(value: Any, depth: int) -> Any:
+    """Lua -> Redis, as luaReplyToRedisReply does, read back as redis-py (bytes mode) would.
+
+    An error reply nested in an array is returned as a ScriptError instance, as redis-py
+    returns a ResponseError; the caller raises one found at the top.
+    """
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bool):
+        return 1 if value else None
+    if isinstance(value, int | float):
+        # C's (long long) cast: truncation toward zero; NaN and out of range give LLONG_MIN.
+        return int(value) if LLONG_MIN <= value <= LLONG_MAX else LLONG_MIN
+    if lua_type(value) != "table":
         return None
-
-    def _error_reply(self, *args: object) -> Any:
-        if len(args) != 1 or not isinstance(args[0], bytes):
-            return error_table(self._lua, b"wrong number or type of arguments")
-        raw = args[0].split(b"\0", 1)[0]
-        return error_table(self._lua, raw if raw.startswith(b"-") else b"-" + raw)
-
-    def _status_reply(self, *args: object) -> Any:
-        if len(args) != 1 or not isinstance(args[0], bytes):
-            return error_table(self._lua, b"wrong number or type of arguments")
-        return self._lua.table_from({b"ok": args[0]})
-
-    def _sha1hex(self, *args: object) -> bytes:
-        if len(args) != 1:
-            raise _ErrorReply(error_table(self._lua, b"wrong number of arguments"))
-        value = args[0]
-        data = _lua_number_text(value) if isinstance(value, int | float) else value
-        return hashlib.sha1(data if isinstance(data, bytes) else b"").hexdigest().encode()
-
-    def _redis_log(self, *args: object) -> tuple[()]:
-        if len(args) < 2:
-            raise _ErrorReply(
-                error_table(self._lua, b"redis.log() requires two arguments or more.")
-            )
-        level = _lua_to_number(args[0])
-        if level is None:
-            raise _ErrorReply(
-                error_table(self._lua, b"First argument must be a number (log level).")
-            )
-        if not 0 <= level <= 3:
-            raise _ErrorReply(error_table(self._lua, b"Invalid debug level."))
-        parts = [
-            _lua_number_text(part) if isinstance(part, int | float) else part
-            for part in args[1:]
-            if isinstance(part, bytes | int | float) and not isinstance(part, bool)
-        ]
-        _log.log(_LOG_LEVELS[int(level)], "%s", b" ".join(parts).decode("utf-8", "replace"))
-        return ()
-
-    def _setresp(self, *args: object) -> tuple[()]:
-        if len(args) != 1:
-            raise _ErrorReply(error_table(self._lua, b"redis.setresp() requires one argument."))
-        version = _lua_to_number(args[0])
-        if version is None or int(version) not in (2, 3):
-            raise _ErrorReply(error_table(self._lua, b"RESP version must be 2 or 3."))
-        if int(version) == 3:
-            raise _ErrorReply(
-                error_table(self._lua, b"RESP3 is not supported by the embedded store")
-            )
-        return ()
-
-    def _set_repl(self, *args: object) -> tuple[()]:
-        if len(args) != 1:
-            raise _ErrorReply(error_table(self._lua, b"redis.set_repl() requires two arguments."))
-        return ()
+    if depth > _MAX_DEPTH:
+        raise ScriptError("ERR reached lua stack limit")
+    fields = dict(value.items())  # a raw traversal, as Redis' lua_rawget: no metamethods
+    for name in (b"err", b"ok"):
+        text = fields.get(name)
+        if isinstance(text, bytes):
+            return _error(text) if name == b"err" else _clean(text)
+    items: list[Any] = []
+    while (item := fields.get(len(items) + 1)) is not None:
+        items.append(_from_lua(item, depth + 1))
+    return items
 
 
 _SANDBOX_LUA = r"""
-local api, dispatch, unwrap = ...
+local dispatch = ...
 local G = _G
-local type, tostring, error, select, unpack, next = type, tostring, error, select, unpack, next
+local type, tostring, error, select, unpack = type, tostring, error, select, unpack
 local rawget, rawset, setmetatable, setfenv = rawget, rawset, setmetatable, setfenv
 local xpcall, pcall, loadstring, load, getinfo = xpcall, pcall, loadstring, load, debug.getinfo
-local format, gsub, sub, match, concat = string.format, string.gsub, string.sub, string.match,
-  table.concat
+local find, format, gsub, sub, match = string.find, string.format, string.gsub, string.sub,
+  string.match
 local INTERNAL = getinfo(1, 'S').source
 local protected = setmetatable({}, {__mode = 'k'})
 
@@ -239,17 +178,13 @@ local env = setmetatable({}, {
 })
 protected[env] = true
 
-local function unwrap_error(e)
-  if type(e) == 'userdata' then return unwrap(e) or e end
-  return e
-end
 local function pack(...) return {n = select('#', ...), ...} end
 
 -- Redis' pcall: an error table {err = "..."} arrives as its message string.
 G.pcall = function(...)
   local result = pack(pcall(...))
   if not result[1] then
-    local e = unwrap_error(result[2])
+    local e = result[2]
     if type(e) == 'table' then
       local message = rawget(e, 'err')
       if type(message) == 'string' or type(message) == 'number' then e = message end
@@ -257,9 +192,6 @@ G.pcall = function(...)
     return false, e
   end
   return unpack(result, 1, result.n)
-end
-G.xpcall = function(f, handler)
-  return xpcall(f, function(e) return handler(unwrap_error(e)) end)
 end
 G.rawset = function(t, k, v)
   if protected[t] then error('Attempt to modify a readonly table', 0) end
@@ -275,36 +207,61 @@ G.load = function(source, name)
   if f then setfenv(f, env) end
   return f, e
 end
--- redis.call and redis.pcall: Lua numbers become "%.17g" text here, with C's own formatting
--- (so -0 stays "-0"), then the keyspace runs the command.
-local function command_args(...)
+
+-- Redis' luaPushErrorBuff: "-CODE message" or "message" becomes {err = "CODE message"}.
+local function error_table(raw)
+  raw = match(raw, '^[^%z]*')
+  local code, message = 'ERR', raw
+  if sub(raw, 1, 1) == '-' then
+    local space = find(raw, ' ', 1, true)
+    if space then code, message = sub(raw, 2, space - 1), sub(raw, space + 1)
+    else message = sub(raw, 2) end
+  end
+  message = gsub(gsub(message, '^[\r\n]+', ''), '[\r\n]+$', '')
+  return {err = code .. ' ' .. message}
+end
+
+-- One command for redis.call and redis.pcall: Lua numbers become "%.17g" text here, with C's
+-- own formatting (so -0 stays "-0"), then the keyspace runs it. No Lua function below is
+-- tail-called on the way to an error: a lost frame would hide the script's line number.
+local function command(...)
   local count, argv = select('#', ...), {...}
   if count == 0 then
-    return nil, {err = 'ERR Please specify at least one argument for this redis lib call'}
+    return false, {err = 'ERR Please specify at least one argument for this redis lib call'}
   end
   for i = 1, count do
     local kind = type(argv[i])
     if kind == 'number' then
       argv[i] = format('%.17g', argv[i])
     elseif kind ~= 'string' then
-      return nil, {err = 'ERR Lua redis lib command arguments must be strings or integers'}
+      return false, {err = 'ERR Lua redis lib command arguments must be strings or integers'}
     end
   end
-  return argv, count
+  local ok, reply = dispatch(unpack(argv, 1, count))
+  if ok then return true, reply end
+  local e = error_table('-' .. reply)
+  e.ignore_error_stats_update = true
+  return false, e
 end
+
+local api = {}
 api.call = function(...)
-  local argv, count = command_args(...)
-  if argv == nil then error(count) end
-  return dispatch(true, unpack(argv, 1, count))
+  local ok, reply = command(...)
+  if not ok then error(reply) end
+  return reply
 end
 api.pcall = function(...)
-  local argv, count = command_args(...)
-  if argv == nil then return count end
-  return dispatch(false, unpack(argv, 1, count))
+  local _, reply = command(...)
+  return reply
 end
-api.LOG_DEBUG, api.LOG_VERBOSE, api.LOG_NOTICE, api.LOG_WARNING = 0, 1, 2, 3
-api.REPL_NONE, api.REPL_AOF, api.REPL_SLAVE, api.REPL_REPLICA, api.REPL_ALL = 0, 1, 2, 2, 3
-api.REDIS_VERSION, api.REDIS_VERSION_NUM = '7.0.0', 0x070000
+api.error_reply = function(...)
+  local message = ...
+  if select('#', ...) ~= 1 or type(message) ~= 'string' then
+    return error_table('wrong number or type of arguments')
+  end
+  if sub(message, 1, 1) ~= '-' then message = '-' .. message end
+  return error_table(message)
+end
 G.redis = readonly(api)
 for _, name in ipairs({'string', 'math', 'table', 'coroutine'}) do G[name] = readonly(G[name]) end
 local string_meta = getmetatable('')
@@ -322,7 +279,6 @@ local function handler(e)
     info = getinfo(level, 'nSl')
   end
   if info and info.what == 'tail' then info = nil end
-  e = unwrap_error(e)
   if type(e) ~= 'table' then e = {err = 'ERR ' .. tostring(e)} end
   if info then e.source, e.line = info.source, info.currentline end
   return e
@@ -341,57 +297,7 @@ local function describe(e, sha)
     message = message .. ' script: ' .. sha .. ', on ' .. match(tostring(source), '^[^%z]*') ..
       ':' .. tostring(line) .. '.'
   end
-  return (gsub(message, '[\r\n]', ' '))
-end
-
-local function clean(s) return (gsub(match(s, '^[^%z]*'), '[\r\n]', ' ')) end
-local function bulk(s) return '$' .. #s .. '\r\n' .. s .. '\r\n' end
-local function double(n)
-  if n == 1/0 then return bulk('inf') elseif n == -1/0 then return bulk('-inf') end
-  return bulk(format('%.17g', n))
-end
-
--- Lua -> Redis, as luaReplyToRedisReply does, written out as RESP2.
-local function encode(v, out, depth)
-  if depth > 200 then error('too deep') end
-  local t = type(v)
-  if t == 'string' then out[#out + 1] = bulk(v)
-  elseif t == 'number' then out[#out + 1] = format(':%d\r\n', v) -- a C cast: truncation
-  elseif t == 'boolean' then out[#out + 1] = v and ':1\r\n' or '$-1\r\n'
-  elseif t ~= 'table' then out[#out + 1] = '$-1\r\n'
-  else
-    local f = rawget(v, 'err')
-    if type(f) == 'string' then out[#out + 1] = '-' .. clean(f) .. '\r\n'; return end
-    f = rawget(v, 'ok')
-    if type(f) == 'string' then out[#out + 1] = '+' .. clean(f) .. '\r\n'; return end
-    f = rawget(v, 'double')
-    if type(f) == 'number' then out[#out + 1] = double(f); return end
-    f = rawget(v, 'big_number')
-    if type(f) == 'string' then out[#out + 1] = bulk((gsub(f, '[\r\n]', ' '))); return end
-    f = rawget(v, 'verbatim_string')
-    if type(f) == 'table' and type(rawget(f, 'format')) == 'string' and
-        type(rawget(f, 'string')) == 'string' then
-      out[#out + 1] = bulk(rawget(f, 'string')); return
-    end
-    local slot, count = #out + 1, 0
-    out[slot] = false
-    local map, set = rawget(v, 'map'), rawget(v, 'set')
-    if type(map) == 'table' then
-      for key, value in next, map do
-        encode(key, out, depth + 1); encode(value, out, depth + 1); count = count + 2
-      end
-    elseif type(set) == 'table' then
-      for key in next, set do encode(key, out, depth + 1); count = count + 1 end
-    else
-      while true do
-        local item = rawget(v, count + 1)
-        if item == nil then break end
-        encode(item, out, depth + 1)
-        count = count + 1
-      end
-    end
-    out[slot] = '*' .. count .. '\r\n'
-  end
+  return message
 end
 
 local function compile(source)
@@ -405,9 +311,7 @@ local function run(f, keys, argv, sha)
   rawset(G, 'ARGV', argv)
   local ok, result = xpcall(f, handler)
   if not ok then return false, describe(result, sha) end
-  local out = {}
-  if pcall(encode, result, out, 0) then return true, concat(out) end
-  return false, 'ERR reached lua stack limit'
+  return true, result
 end
 
 return compile, run

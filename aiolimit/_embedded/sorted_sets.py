@@ -1,117 +1,48 @@
-"""Sorted sets for the embedded backend: the ``SortedSet`` value and the Z* commands.
+"""The sorted set commands of the embedded engine, as the scripts call them.
 
 Replies and errors are Redis 7.0's, scores included (``%.17g``, strtod bounds, ``-0`` stored as
-0). ``commands`` registers these handlers under their Redis names.
+0). Only the forms the scripts use are implemented: ZADD with no flag but XX, ZRANGE by rank and
+ZRANGEBYSCORE, each with WITHSCORES (and LIMIT for ZRANGEBYSCORE); any other option is refused
+as Redis refuses an unknown one. ``commands`` registers these handlers under their names.
 """
 
 from __future__ import annotations
 
-import math
-from bisect import bisect_left, bisect_right, insort
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from .keyspace import CommandError, Keyspace, Reply
 from .numbers import format_double, int_arg, parse_double, parse_range_bound
-from .replies import NOT_FLOAT, SYNTAX, CommandError, Reply
 
-if TYPE_CHECKING:
-    from .keyspace import Keyspace
-
-
-class SortedSet:
-    """A ZSET: member -> score, plus the (score, member) pairs kept in Redis' order."""
-
-    __slots__ = ("entries", "scores")
-
-    def __init__(self) -> None:
-        self.scores: dict[bytes, float] = {}
-        self.entries: list[tuple[float, bytes]] = []
-
-    def insert(self, member: bytes, score: float) -> None:
-        score += 0.0  # Redis' small-set encoding stores -0 as 0
-        self.scores[member] = score
-        insort(self.entries, (score, member))
-
-    def remove(self, member: bytes) -> None:
-        score = self.scores.pop(member)
-        del self.entries[bisect_left(self.entries, (score, member))]
-
-    def score_slice(self, low: tuple[float, bool], high: tuple[float, bool]) -> tuple[int, int]:
-        """Index range [start, stop) of the entries whose score lies within the bounds."""
-        start = (bisect_right if low[1] else bisect_left)(self.entries, low[0], key=_score)
-        stop = (bisect_left if high[1] else bisect_right)(self.entries, high[0], key=_score)
-        return start, max(start, stop)
-
-    def rank_slice(self, start: int, end: int) -> tuple[int, int]:
-        """Redis' index rules: negative counts from the end, clamped; [start, stop) or empty."""
-        size = len(self.entries)
-        start, end = start + size if start < 0 else start, end + size if end < 0 else end
-        start = max(start, 0)
-        if start > end or start >= size:
-            return 0, 0
-        return start, min(end, size - 1) + 1
+SYNTAX = "ERR syntax error"
+Entries = list[tuple[float, bytes]]
 
 
-def _score(entry: tuple[float, bytes]) -> float:
-    return entry[0]
-
-
-_ZADD_OPTIONS = (b"nx", b"xx", b"gt", b"lt", b"incr", b"ch")
-
-
-def zadd(ks: Keyspace, args: Sequence[bytes], flags: set[bytes]) -> Reply:
-    index = 2
-    while index < len(args) and args[index].lower() in _ZADD_OPTIONS:
-        flags.add(args[index].lower())
-        index += 1
-    pairs = args[index:]
+def zadd(ks: Keyspace, args: Sequence[bytes]) -> Reply:
+    """ZADD key [XX] score member ...: how many members were added (XX: only update)."""
+    update_only = args[2].lower() == b"xx"
+    pairs = args[3:] if update_only else args[2:]
     if not pairs or len(pairs) % 2:
         raise CommandError(SYNTAX)
-    nx, xx, gt, lt, incr, changed = (option in flags for option in _ZADD_OPTIONS)
-    if nx and xx:
-        raise CommandError("ERR XX and NX options at the same time are not compatible")
-    if (gt and nx) or (lt and nx) or (gt and lt):
-        raise CommandError("ERR GT, LT, and/or NX options at the same time are not compatible")
-    if incr and len(pairs) > 2:
-        raise CommandError("ERR INCR option supports a single increment-element pair")
     scores = [parse_double(raw) for raw in pairs[::2]]
     if None in scores:
-        raise CommandError(NOT_FLOAT)
-    zset = ks.get_zset(args[1])
-    if zset is None and xx:
-        return None if incr else 0
-    if zset is None:
-        zset = ks.data[bytes(args[1])] = SortedSet()
-    added = updated = processed = 0
-    score = 0.0
-    for new, member in zip(scores, pairs[1::2], strict=True):
-        assert new is not None
+        raise CommandError("ERR value is not a valid float")
+    zset = ks.get_zset(args[1], create=not update_only)
+    added = 0
+    for score, member in zip(scores, pairs[1::2], strict=True):
+        assert score is not None
         current = zset.scores.get(member)
         if current is None:
-            if not xx:
-                zset.insert(bytes(member), new)
-                score, added, processed = new, added + 1, processed + 1
-            continue
-        if nx:
-            continue
-        if incr:
-            new += current
-            if math.isnan(new):
-                raise CommandError("ERR resulting score is not a number (NaN)")
-        if (lt and new >= current) or (gt and new <= current):
-            continue
-        score, processed = new, processed + 1
-        if new != current:
+            if not update_only:
+                zset.insert(bytes(member), score)
+                added += 1
+        elif score != current:
             zset.remove(member)
-            zset.insert(bytes(member), new)
-            updated += 1
-    if incr:
-        return format_double(score) if processed else None
-    return added + updated if changed else added
+            zset.insert(bytes(member), score)
+    return added
 
 
 def zrem(ks: Keyspace, args: Sequence[bytes]) -> Reply:
-    zset = ks.get_zset(args[1]) or SortedSet()
+    zset = ks.get_zset(args[1])
     removed = 0
     for member in args[2:]:
         if member in zset.scores:
@@ -121,20 +52,6 @@ def zrem(ks: Keyspace, args: Sequence[bytes]) -> Reply:
     return removed
 
 
-def _score_of(ks: Keyspace, key: bytes, member: bytes) -> float | None:
-    zset = ks.get_zset(key)
-    return None if zset is None else zset.scores.get(member)
-
-
-def zrank(ks: Keyspace, args: Sequence[bytes], reverse: bool) -> Reply:
-    score = _score_of(ks, args[1], args[2])
-    if score is None:
-        return None
-    entries = (ks.get_zset(args[1]) or SortedSet()).entries
-    rank = bisect_left(entries, (score, args[2]))
-    return len(entries) - 1 - rank if reverse else rank
-
-
 def _score_bounds(low: bytes, high: bytes) -> tuple[tuple[float, bool], tuple[float, bool]]:
     bounds = parse_range_bound(low), parse_range_bound(high)
     if bounds[0] is None or bounds[1] is None:
@@ -142,73 +59,62 @@ def _score_bounds(low: bytes, high: bytes) -> tuple[tuple[float, bool], tuple[fl
     return bounds[0], bounds[1]
 
 
-def zcard(ks: Keyspace, args: Sequence[bytes]) -> Reply:
-    return len((ks.get_zset(args[1]) or SortedSet()).scores)
-
-
 def zcount(ks: Keyspace, args: Sequence[bytes]) -> Reply:
-    low, high = _score_bounds(args[2], args[3])
-    start, stop = (ks.get_zset(args[1]) or SortedSet()).score_slice(low, high)
+    bounds = _score_bounds(args[2], args[3])
+    start, stop = ks.get_zset(args[1]).score_slice(*bounds)
     return stop - start
 
 
-def zscore(ks: Keyspace, args: Sequence[bytes]) -> Reply:
-    score = _score_of(ks, args[1], args[2])
-    return None if score is None else format_double(score)
-
-
-def zrange(
-    ks: Keyspace, args: Sequence[bytes], by_score: bool | None, reverse: bool | None
-) -> Reply:
-    with_scores, offset, limit = False, 0, -1
+def _range_options(args: Sequence[bytes], *, limit: bool) -> tuple[bool, int, int]:
+    """WITHSCORES, and LIMIT offset count where allowed: (with_scores, offset, count)."""
+    with_scores, offset, count = False, 0, -1
     index = 4
     while index < len(args):
         option = args[index].lower()
         if option == b"withscores":
             with_scores = True
-        elif option == b"limit" and len(args) - index - 1 >= 2:
-            offset, limit = int_arg(args[index + 1]), int_arg(args[index + 2])
+        elif option == b"limit" and limit and index + 2 < len(args):
+            offset, count = int_arg(args[index + 1]), int_arg(args[index + 2])
             index += 2
-        elif option == b"rev" and reverse is None:
-            reverse = True
-        elif option == b"byscore" and by_score is None:
-            by_score = True
         else:
             raise CommandError(SYNTAX)
         index += 1
-    if limit != -1 and not by_score:
-        raise CommandError(
-            "ERR syntax error, LIMIT is only supported in combination with either BYSCORE or BYLEX"
-        )
-    low, high = (args[3], args[2]) if reverse and by_score else (args[2], args[3])
-    if by_score:
-        bounds = _score_bounds(low, high)
-    else:
-        ranks = int_arg(low), int_arg(high)
-    zset = ks.get_zset(args[1]) or SortedSet()
-    entries = zset.entries
-    if by_score:
-        start, stop = zset.score_slice(*bounds)
-        chosen = entries[start:stop][::-1] if reverse else entries[start:stop]
-        if offset < 0 or (offset > 0 and offset >= len(entries)):
-            chosen = []
-        chosen = chosen[offset:] if limit < 0 else chosen[offset : offset + limit]
-    else:
-        start, stop = zset.rank_slice(*ranks)
-        size = len(entries)
-        chosen = entries[size - stop : size - start][::-1] if reverse else entries[start:stop]
+    return with_scores, offset, count
+
+
+def _entries_reply(entries: Entries, with_scores: bool) -> Reply:
     if with_scores:
-        return [item for score, member in chosen for item in (member, format_double(score))]
-    return [member for _, member in chosen]
+        return [item for score, member in entries for item in (member, format_double(score))]
+    return [member for _, member in entries]
 
 
-def zremrange(ks: Keyspace, args: Sequence[bytes], by_score: bool) -> Reply:
-    if by_score:
-        bounds = _score_bounds(args[2], args[3])
-    else:
-        ranks = int_arg(args[2]), int_arg(args[3])
-    zset = ks.get_zset(args[1]) or SortedSet()
-    start, stop = zset.score_slice(*bounds) if by_score else zset.rank_slice(*ranks)
+def zrange(ks: Keyspace, args: Sequence[bytes]) -> Reply:
+    """ZRANGE key start stop [WITHSCORES]: by rank, negative ranks counting from the end."""
+    with_scores, _, _ = _range_options(args, limit=False)
+    ranks = int_arg(args[2]), int_arg(args[3])
+    zset = ks.get_zset(args[1])
+    start, stop = zset.rank_slice(*ranks)
+    return _entries_reply(zset.entries[start:stop], with_scores)
+
+
+def zrangebyscore(ks: Keyspace, args: Sequence[bytes]) -> Reply:
+    """ZRANGEBYSCORE key min max [WITHSCORES] [LIMIT offset count]."""
+    with_scores, offset, count = _range_options(args, limit=True)
+    bounds = _score_bounds(args[2], args[3])
+    zset = ks.get_zset(args[1])
+    start, stop = zset.score_slice(*bounds)
+    if offset < 0 or (offset > 0 and offset >= len(zset.entries)):
+        return []
+    start += offset
+    if count >= 0:
+        stop = min(stop, start + count)
+    return _entries_reply(zset.entries[start:stop], with_scores)
+
+
+def zremrangebyscore(ks: Keyspace, args: Sequence[bytes]) -> Reply:
+    bounds = _score_bounds(args[2], args[3])
+    zset = ks.get_zset(args[1])
+    start, stop = zset.score_slice(*bounds)
     for _, member in zset.entries[start:stop]:
         del zset.scores[member]
     del zset.entries[start:stop]
