@@ -28,7 +28,7 @@ from aiolimit._limiter import Limiter
 from aiolimit._web.client_ip import ClientIPResolver, ForwardedHeader
 from aiolimit._web.flow import RouteLimit, RouteTable, Rule, judge, refund_quietly
 from aiolimit._web.headers import PROBLEM_CONTENT_TYPE
-from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, header_key
+from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, raw_header_key
 
 __all__ = [
     "CLIENT_IP",
@@ -40,6 +40,20 @@ __all__ = [
 ]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def header_key(name: str) -> KeyFunc:
+    """Key function: one request header (an API key, a user id set by a gateway), by its bytes.
+
+    A missing header means no such key. The value's bytes as sent make the identifier, read as
+    UTF-8 text when they are that (the same under Starlette and aiohttp); two different values
+    never share an identifier, whatever their bytes.
+    """
+    return raw_header_key(name, _raw_headers)
+
+
+def _raw_headers(request: web.Request) -> tuple[tuple[bytes, bytes], ...]:
+    return request.raw_headers
 
 
 def path_key(request: web.Request) -> str:

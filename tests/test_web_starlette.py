@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -320,3 +321,41 @@ async def test_fastapi_dependency_refunds_5xx_but_not_4xx(limiter_factory: Facto
     assert failed == [502] * 4
     assert missing.status_code == 404
     assert items(who.headers["ratelimit"])["ip-3-per-60s"]["r"] == 1
+
+
+LONG = b"z" * 300
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (b"\xff", rb"\xed\xb3\xbf"),
+        (b"\xff", b"\xfe"),
+        # A long value was replaced by "sha256:<its hash>", which a client can send itself.
+        (LONG, b"sha256:" + hashlib.sha256(LONG).hexdigest().encode()),
+        (b"caf\xc3\xa9", b"caf\xe9"),  # UTF-8 and Latin-1 spellings of one word
+        (b"~x", b"x"),
+    ],
+)
+async def test_distinct_header_bytes_are_distinct_identifiers(
+    limiter_factory: Factory, first: bytes, second: bytes
+) -> None:
+    """Two different raw header values never share an identifier, whatever their bytes."""
+    limiter = limiter_factory({"user": [Limit(1, per=60)]})
+    app = starlette_app(limiter, keys={"user": header_key("x-user")})
+    async with serve(app) as client:
+        statuses = [
+            (await client.get("/", headers={"x-user": value})).status_code  # type: ignore[dict-item]
+            for value in (first, second, first, second)
+        ]
+    assert statuses == [200, 200, 429, 429]
+
+
+async def test_header_key_of_utf8_bytes_is_their_text(limiter_factory: Factory) -> None:
+    """A UTF-8 header value is its text (as on aiohttp), not its bytes read as Latin-1."""
+    limiter = limiter_factory({"user": [Limit(5, per=60)]})
+    app = starlette_app(limiter, keys={"user": header_key("x-user")})
+    async with serve(app) as client:
+        await client.get("/", headers={"x-user": "café".encode()})
+    # peek answers as try_acquire would: 5, minus the request above, minus this one.
+    assert (await limiter.peek("user:café")).remaining == 3
