@@ -234,3 +234,21 @@ async def test_header_key_of_utf8_bytes_is_their_text(limiter_factory: Factory) 
         await client.get("/", headers={"x-user": "café".encode()})
     # peek answers as try_acquire would: 5, minus the request above, minus this one.
     assert (await limiter.peek("user:café")).remaining == 3
+
+
+@pytest.mark.parametrize(("ipv6_prefix", "shared"), [(None, True), (128, False), (48, True)])
+async def test_ipv6_clients_are_limited_per_64_by_default(
+    limiter_factory: Factory, ipv6_prefix: int | None, shared: bool
+) -> None:
+    """Two addresses of one /64 share a budget by default; ipv6_prefix=128 keys each alone."""
+    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    options: dict[str, object] = {} if ipv6_prefix is None else {"ipv6_prefix": ipv6_prefix}
+    middleware = rate_limit_middleware(limiter, trusted_proxies=["127.0.0.1"], **options)  # type: ignore[arg-type]
+    async with serve(app_with([middleware])) as get:
+        a = await get("/", headers={"X-Forwarded-For": "2001:db8:1:2::a"})
+        b = await get("/", headers={"X-Forwarded-For": "2001:db8:1:2:ffff:ffff:ffff:b"})
+        v4 = [await get("/", headers={"X-Forwarded-For": f"203.0.113.{n}"}) for n in (1, 2)]
+        mapped = await get("/", headers={"X-Forwarded-For": "::ffff:203.0.113.1"})
+    assert a[0] == 200 and b[0] == (429 if shared else 200)
+    assert [r[0] for r in v4] == [200, 200]  # IPv4 stays per address
+    assert mapped[0] == 429  # an IPv4-mapped address is that IPv4 address

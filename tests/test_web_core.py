@@ -74,16 +74,29 @@ def test_rfc7239_forwarded_header() -> None:
     """With header='forwarded', for= values (quoted IPv6 with port included) are honoured."""
     resolver = ClientIPResolver(["10.0.0.0/8"], header="forwarded")
     value = 'for=198.51.100.1;proto=https, for="[2001:db8::7]:4711";by=10.0.0.1'
-    assert resolver.resolve("10.0.0.1", [value]) == "2001:db8::7"
+    assert resolver.resolve("10.0.0.1", [value]) == "2001:db8::/64"  # IPv6: per /64
     assert resolver.resolve("10.0.0.1", ["for=_hidden"]) == "10.0.0.1"
 
 
-def test_ipv6_grouped_by_prefix_and_ipv4_mapped_unwrapped() -> None:
-    """IPv6 clients share one identifier per /64 when asked; ::ffff:a.b.c.d is plain IPv4."""
-    resolver = ClientIPResolver(ipv6_prefix=64)
+def test_ipv6_keyed_per_64_by_default_and_ipv4_mapped_unwrapped() -> None:
+    """IPv6 clients share one identifier per /64 by default; ::ffff:a.b.c.d is plain IPv4."""
+    resolver = ClientIPResolver()
     assert resolver.resolve("2001:db8:1:2:aaaa::1", []) == "2001:db8:1:2::/64"
     assert resolver.resolve("2001:db8:1:2:bbbb::9", []) == "2001:db8:1:2::/64"
+    assert resolver.resolve("2001:db8:1:3::1", []) == "2001:db8:1:3::/64"
     assert resolver.resolve("::ffff:192.0.2.1", []) == "192.0.2.1"
+    assert resolver.resolve("192.0.2.1", []) == "192.0.2.1"
+    behind_proxy = ClientIPResolver(["10.0.0.0/8"])
+    assert behind_proxy.resolve("10.0.0.1", ["2001:db8::7"]) == "2001:db8::/64"
+
+
+def test_ipv6_prefix_128_keys_each_address_and_other_prefixes_group() -> None:
+    """ipv6_prefix=128 keys every IPv6 address alone (as it is written); /48 groups a site."""
+    per_address = ClientIPResolver(ipv6_prefix=128)
+    assert per_address.resolve("2001:db8:1:2:aaaa::1", []) == "2001:db8:1:2:aaaa::1"
+    assert per_address.resolve("::ffff:192.0.2.1", []) == "192.0.2.1"
+    per_site = ClientIPResolver(ipv6_prefix=48)
+    assert per_site.resolve("2001:db8:1:2:aaaa::1", []) == "2001:db8:1::/48"
 
 
 def test_bad_resolver_configuration_fails_at_once() -> None:
@@ -92,8 +105,9 @@ def test_bad_resolver_configuration_fails_at_once() -> None:
         ClientIPResolver(["not-a-network"])
     with pytest.raises(ConfigurationError):
         ClientIPResolver(header="x-real-ip")  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError):
-        ClientIPResolver(ipv6_prefix=129)
+    for prefix in (0, 129, None, True, "64"):
+        with pytest.raises(ConfigurationError):
+            ClientIPResolver(ipv6_prefix=prefix)  # type: ignore[arg-type]
 
 
 def test_key_values_are_bounded_and_encodable() -> None:

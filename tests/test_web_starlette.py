@@ -359,3 +359,37 @@ async def test_header_key_of_utf8_bytes_is_their_text(limiter_factory: Factory) 
         await client.get("/", headers={"x-user": "café".encode()})
     # peek answers as try_acquire would: 5, minus the request above, minus this one.
     assert (await limiter.peek("user:café")).remaining == 3
+
+
+@pytest.mark.parametrize(("ipv6_prefix", "shared"), [(None, True), (128, False), (48, True)])
+async def test_ipv6_clients_are_limited_per_64_by_default(
+    limiter_factory: Factory, ipv6_prefix: int | None, shared: bool
+) -> None:
+    """Two addresses of one /64 share a budget by default; ipv6_prefix=128 keys each alone."""
+    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    options: dict[str, object] = {} if ipv6_prefix is None else {"ipv6_prefix": ipv6_prefix}
+    app = starlette_app(limiter, trusted_proxies=["127.0.0.1"], **options)
+    async with serve(app) as client:
+
+        async def status(forwarded_for: str) -> int:
+            response = await client.get("/", headers={"x-forwarded-for": forwarded_for})
+            return response.status_code
+
+        a = await status("2001:db8:1:2::a")
+        b = await status("2001:db8:1:2:ffff:ffff:ffff:b")
+        v4 = [await status(f"203.0.113.{n}") for n in (1, 2)]
+        mapped = await status("::ffff:203.0.113.1")
+    assert a == 200 and b == (429 if shared else 200)
+    assert v4 == [200, 200]  # IPv4 stays per address
+    assert mapped == 429  # an IPv4-mapped address is that IPv4 address
+
+
+async def test_fastapi_dependency_keys_ipv6_per_64(limiter_factory: Factory) -> None:
+    """The FastAPI dependency groups IPv6 clients per /64 by default too."""
+    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    app = fastapi_app(limiter, trusted_proxies=["127.0.0.1"])
+    async with serve(app) as client:
+        first = await client.get("/who", headers={"x-forwarded-for": "2001:db8::1"})
+        second = await client.get("/who", headers={"x-forwarded-for": "2001:db8::2"})
+    assert first.json() == {"ids": ["ip:2001:db8::/64"]}
+    assert second.status_code == 429
