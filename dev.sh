@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian machine: installs what is missing (a venv with the package
 # and its dev tools; redis-server via apt when no server binary is found), then runs
-#   bash dev.sh demo    the demo against a local Redis it starts
+#   bash dev.sh demo    the demo (examples/) against a local Redis it starts; --seconds N
 #   bash dev.sh test    every check: ruff, mypy, the whole pytest suite
 #   bash dev.sh bench   the benchmarks (bench/README.md)
 set -euo pipefail
@@ -56,7 +56,9 @@ shift || true
 case "$cmd" in
   demo)
     ensure_server; ensure_venv
-    exec .venv/bin/python examples/demo.py "$@"
+    # The repository root on sys.path: the demo starts its server with cluster/, which is the
+    # repository's tooling and not part of the installed package.
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec .venv/bin/python examples/demo.py "$@"
     ;;
   test)
     ensure_server; ensure_venv

@@ -17,7 +17,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
-from pathlib import Path
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 
 from aiolimit._decision import Decision, PairDecision
 from aiolimit._rules import IdentifierPlan
@@ -157,13 +158,19 @@ ALGORITHM_FILES = ("sliding_window.lua", "gcra.lua", "sliding_log.lua", "concurr
 SCRIPT_FILES = ("prelude.lua", *ALGORITHM_FILES, "decide.lua")
 
 
-def lua_dir() -> Path:
-    """``aiolimit/lua`` in an installed wheel, else ``lua/`` beside the package (a checkout)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "lua", here.parent / "lua"):
-        if (candidate / "decide.lua").is_file():
-            return candidate
-    raise FileNotFoundError(f"aiolimit's Lua scripts are missing (looked in {here}/lua and ../lua)")
+def lua_dir() -> Traversable:
+    """The scripts as package data, ``aiolimit/lua``, read one way wherever the package is.
+
+    A wheel holds the files there; in a checkout (and an editable install) ``aiolimit/lua`` is a
+    committed symlink to the top-level ``lua/``, which stays the single source of truth.
+    """
+    directory = files("aiolimit") / "lua"
+    if not (directory / "decide.lua").is_file():
+        raise FileNotFoundError(
+            f"aiolimit's Lua scripts are missing from its package data ({directory}): in a "
+            "checkout, aiolimit/lua must be the symlink to ../lua (git config core.symlinks)"
+        )
+    return directory
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ Importable only with aiohttp installed (``pip install aiolimit[web]``)::
 
 Same behaviour as ``aiolimit.starlette``: every key with a value is one identifier, decided
 all or nothing; 429 with RFC 9457 problem+json, ``Retry-After`` and the ``RateLimit`` /
-``RateLimit-Policy`` fields; 503 when the store is down under ``on_error="closed"``. Headers are
+``RateLimit-Policy`` fields; 503 when the store is down under ``on_error="closed"``; IPv6
+clients keyed per /64 unless ``ipv6_prefix`` says otherwise (128: per address). Headers are
 added to the handler's response unless it was already prepared (streamed).
 """
 
@@ -25,10 +26,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from aiolimit._limiter import Limiter
-from aiolimit._web.client_ip import ClientIPResolver, ForwardedHeader
+from aiolimit._web.client_ip import DEFAULT_IPV6_PREFIX, ClientIPResolver, ForwardedHeader
 from aiolimit._web.flow import RouteLimit, RouteTable, Rule, judge, refund_quietly
 from aiolimit._web.headers import PROBLEM_CONTENT_TYPE
-from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, header_key
+from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, raw_header_key
 
 __all__ = [
     "CLIENT_IP",
@@ -40,6 +41,20 @@ __all__ = [
 ]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def header_key(name: str) -> KeyFunc:
+    """Key function: one request header (an API key, a user id set by a gateway), by its bytes.
+
+    A missing header means no such key. The value's bytes as sent make the identifier, read as
+    UTF-8 text when they are that (the same under Starlette and aiohttp); two different values
+    never share an identifier, whatever their bytes.
+    """
+    return raw_header_key(name, _raw_headers)
+
+
+def _raw_headers(request: web.Request) -> tuple[tuple[bytes, bytes], ...]:
+    return request.raw_headers
 
 
 def path_key(request: web.Request) -> str:
@@ -63,7 +78,7 @@ class _Guard:
         self,
         trusted_proxies: Iterable[str],
         forwarded_header: ForwardedHeader,
-        ipv6_prefix: int | None,
+        ipv6_prefix: int,
         refund_on_error: bool,
         legacy_headers: bool,
     ) -> None:
@@ -117,7 +132,7 @@ def rate_limit_middleware(
     exempt: Callable[[web.Request], bool | Awaitable[bool]] | None = None,
     trusted_proxies: Iterable[str] = (),
     forwarded_header: ForwardedHeader = "x-forwarded-for",
-    ipv6_prefix: int | None = None,
+    ipv6_prefix: int = DEFAULT_IPV6_PREFIX,
     refund_on_error: bool = False,
     legacy_headers: bool = False,
 ) -> Any:
@@ -143,7 +158,7 @@ def limit(
     weight: int | WeightFunc = 1,
     trusted_proxies: Iterable[str] = (),
     forwarded_header: ForwardedHeader = "x-forwarded-for",
-    ipv6_prefix: int | None = None,
+    ipv6_prefix: int = DEFAULT_IPV6_PREFIX,
     refund_on_error: bool = False,
     legacy_headers: bool = False,
 ) -> Callable[[Handler], Handler]:

@@ -16,9 +16,12 @@ Importable only with Starlette installed (``pip install aiolimit[web]``)::
     async def report(): ...
 
 Every key that gives a value becomes one identifier (``"ip:203.0.113.7"``, ``"user:42"``) and
-all of them are decided in one all-or-nothing ``try_acquire``. Refused: 429 with RFC 9457
-problem+json, ``Retry-After`` and the ``RateLimit``/``RateLimit-Policy`` fields (see
-``aiolimit._web.headers`` for the header semantics). Store down and ``on_error="closed"``: 503.
+all of them are decided in one all-or-nothing ``try_acquire``. IPv6 clients are keyed per /64
+(``"ip:2001:db8:1:2::/64"``), since one subscriber can rotate through a whole /64;
+``ipv6_prefix=128`` keys each address alone. A header's value is keyed by its bytes, one to
+one (see ``header_key``). Refused: 429 with RFC 9457 problem+json, ``Retry-After`` and the
+``RateLimit``/``RateLimit-Policy`` fields (see ``aiolimit._web.headers`` for the header
+semantics). Store down and ``on_error="closed"``: 503.
 
 Behind a proxy, note that uvicorn's own ``proxy_headers`` (on by default, trusting
 ``127.0.0.1``) rewrites the ASGI ``client`` from ``X-Forwarded-For`` before any middleware runs.
@@ -37,10 +40,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiolimit._decision import Decision
 from aiolimit._limiter import Limiter
-from aiolimit._web.client_ip import ClientIPResolver, ForwardedHeader
+from aiolimit._web.client_ip import DEFAULT_IPV6_PREFIX, ClientIPResolver, ForwardedHeader
 from aiolimit._web.flow import RouteLimit, RouteTable, Rule, Verdict, judge, refund_quietly
 from aiolimit._web.headers import PROBLEM_CONTENT_TYPE
-from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, header_key
+from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, raw_header_key
 
 __all__ = [
     "CLIENT_IP",
@@ -52,6 +55,20 @@ __all__ = [
     "path_key",
     "rate_limit_exceeded_handler",
 ]
+
+
+def header_key(name: str) -> KeyFunc:
+    """Key function: one request header (an API key, a user id set by a gateway), by its bytes.
+
+    A missing header means no such key. The value's bytes as sent make the identifier, read as
+    UTF-8 text when they are that (the same under Starlette and aiohttp); two different values
+    never share an identifier, whatever their bytes.
+    """
+    return raw_header_key(name, _raw_headers)
+
+
+def _raw_headers(request: Request) -> list[tuple[bytes, bytes]]:
+    return request.headers.raw
 
 
 def path_key(request: Request) -> str:
@@ -85,7 +102,7 @@ class RateLimitMiddleware:
         exempt: Callable[[Request], bool | Awaitable[bool]] | None = None,
         trusted_proxies: Iterable[str] = (),
         forwarded_header: ForwardedHeader = "x-forwarded-for",
-        ipv6_prefix: int | None = None,
+        ipv6_prefix: int = DEFAULT_IPV6_PREFIX,
         refund_on_error: bool = False,
         legacy_headers: bool = False,
     ) -> None:
@@ -200,7 +217,7 @@ class RateLimit:
         weight: int | WeightFunc = 1,
         trusted_proxies: Iterable[str] = (),
         forwarded_header: ForwardedHeader = "x-forwarded-for",
-        ipv6_prefix: int | None = None,
+        ipv6_prefix: int = DEFAULT_IPV6_PREFIX,
         refund_on_error: bool = False,
         legacy_headers: bool = False,
     ) -> None:

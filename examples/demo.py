@@ -2,12 +2,15 @@
 
 Starts a throwaway redis-server on a free loopback port (or uses $REDIS_URL; falls back to the
 embedded ``memory://`` store, with a notice, when no server binary exists), runs simulated
-clients for a few seconds, then shows per identifier what was admitted and which limit refused
-the rest. Run it with ``bash dev.sh demo``.
+clients for a few seconds (``--seconds``), then shows per identifier what was admitted and which
+limit refused the rest, and ends with the same limits over HTTP (``web_demo.py``, beside this
+file). Run it with ``bash dev.sh demo``, which puts the repository root on ``sys.path`` for the
+``cluster`` tooling; the tests run it too, so it cannot rot.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -30,7 +33,6 @@ CLIENTS = [  # (user, ip, requests per second it tries)
     ("user:dave", "ip:192.0.2.99", 2),
     ("user:eve", "ip:192.0.2.200", 25),  # a scraper
 ]
-SECONDS = 4.0
 
 
 @contextlib.asynccontextmanager
@@ -39,8 +41,8 @@ async def redis_url() -> AsyncIterator[str]:
         yield os.environ["REDIS_URL"]
         return
     try:
-        import cluster
-    except ImportError:  # pragma: no cover - run from the repository root
+        import cluster  # the repository's server tooling (not part of the installed package)
+    except ImportError:
         cluster = None  # type: ignore[assignment]
     if cluster is None or cluster.find_server_binary() is None:
         print("notice: no redis-server found: using the embedded store (memory://)\n")
@@ -55,9 +57,14 @@ async def redis_url() -> AsyncIterator[str]:
 
 
 async def client(
-    limiter: Limiter, user: str, ip: str, rate: float, tally: dict[str, Counter[str]]
+    limiter: Limiter,
+    user: str,
+    ip: str,
+    rate: float,
+    seconds: float,
+    tally: dict[str, Counter[str]],
 ) -> None:
-    deadline = time.monotonic() + SECONDS
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         decision = await limiter.try_acquire([ip, user])
         for identifier in (ip, user):
@@ -74,14 +81,14 @@ async def client(
         await asyncio.sleep(random.expovariate(rate))
 
 
-async def main() -> None:
+async def main(seconds: float) -> None:
     random.seed(7)
     async with redis_url() as url, Limiter(url, RULES, prefix=f"demo-{os.getpid()}") as limiter:
         print("limits:", {kind: [str(x) for x in limits] for kind, limits in RULES.items()})
-        print(f"{len(CLIENTS)} clients for {SECONDS:.0f} s; each request names its ip AND user,")
+        print(f"{len(CLIENTS)} clients for {seconds:g} s; each request names its ip AND user,")
         print("and is admitted only if every limit of both has room (all or nothing).\n")
         tally: dict[str, Counter[str]] = defaultdict(Counter)
-        await asyncio.gather(*(client(limiter, u, i, r, tally) for u, i, r in CLIENTS))
+        await asyncio.gather(*(client(limiter, u, i, r, seconds, tally) for u, i, r in CLIENTS))
         print(f"{'identifier':<20} {'attempts':>8} {'admitted':>8}  refused by")
         for identifier in sorted(tally):
             row = tally[identifier]
@@ -105,4 +112,8 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    parser = argparse.ArgumentParser(description="aiolimit demo: simulated clients, then HTTP")
+    parser.add_argument(
+        "--seconds", type=float, default=4.0, help="how long the simulated clients run (4)"
+    )
+    sys.exit(asyncio.run(main(parser.parse_args().seconds)))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
+import httpx
 import pytest
 from aiohttp import web
 
@@ -24,23 +26,29 @@ Factory = Callable[..., Limiter]
 
 
 @contextlib.asynccontextmanager
-async def serve(app: web.Application) -> AsyncIterator[Callable[..., object]]:
-    """Runs ``app`` on a free loopback port; yields ``get(path, **kwargs)``."""
+async def running(app: web.Application) -> AsyncIterator[str]:
+    """Runs ``app`` on a free loopback port; yields its base URL."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     host, port = runner.addresses[0][:2]
     try:
-        async with aiohttp.ClientSession(f"http://{host}:{port}") as session:
-
-            async def get(path: str, **kwargs: object) -> tuple[int, dict[str, str], bytes]:
-                async with session.get(path, **kwargs) as response:  # type: ignore[arg-type]
-                    return response.status, dict(response.headers), await response.read()
-
-            yield get
+        yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serve(app: web.Application) -> AsyncIterator[Callable[..., object]]:
+    """Runs ``app`` on a free loopback port; yields ``get(path, **kwargs)``."""
+    async with running(app) as base, aiohttp.ClientSession(base) as session:
+
+        async def get(path: str, **kwargs: object) -> tuple[int, dict[str, str], bytes]:
+            async with session.get(path, **kwargs) as response:  # type: ignore[arg-type]
+                return response.status, dict(response.headers), await response.read()
+
+        yield get
 
 
 @pytest.fixture
@@ -187,3 +195,60 @@ async def test_bad_input_never_500(limiter_factory: Factory, headers: dict[str, 
         status, response_headers, _ = await get("/", headers=raw)
     assert status == 200
     assert "RateLimit" in response_headers
+
+
+LONG = b"z" * 300
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        # aiohttp decodes b"\xff" to "\udcff"; escaping that once gave the second's text.
+        (b"\xff", rb"\xed\xb3\xbf"),
+        (b"\xff", b"\xfe"),
+        # A long value was replaced by "sha256:<its hash>", which a client can send itself.
+        (LONG, b"sha256:" + hashlib.sha256(LONG).hexdigest().encode()),
+        (b"caf\xc3\xa9", b"caf\xe9"),  # UTF-8 and Latin-1 spellings of one word
+        (b"~x", b"x"),
+    ],
+)
+async def test_distinct_header_bytes_are_distinct_identifiers(
+    limiter_factory: Factory, first: bytes, second: bytes
+) -> None:
+    """Two different raw header values never share an identifier, whatever their bytes."""
+    limiter = limiter_factory({"user": [Limit(1, per=60)]})
+    middleware = rate_limit_middleware(limiter, keys={"user": header_key("x-user")})
+    async with running(app_with([middleware])) as base, httpx.AsyncClient(base_url=base) as client:
+        statuses = [
+            (await client.get("/", headers={"x-user": value})).status_code  # type: ignore[dict-item]
+            for value in (first, second, first, second)
+        ]
+    assert statuses == [200, 200, 429, 429]
+
+
+async def test_header_key_of_utf8_bytes_is_their_text(limiter_factory: Factory) -> None:
+    """A UTF-8 header value is its text: the identifier the application would write itself."""
+    limiter = limiter_factory({"user": [Limit(5, per=60)]})
+    middleware = rate_limit_middleware(limiter, keys={"user": header_key("x-user")})
+    async with running(app_with([middleware])) as base, httpx.AsyncClient(base_url=base) as client:
+        await client.get("/", headers={"x-user": "café".encode()})
+    # peek answers as try_acquire would: 5, minus the request above, minus this one.
+    assert (await limiter.peek("user:café")).remaining == 3
+
+
+@pytest.mark.parametrize(("ipv6_prefix", "shared"), [(None, True), (128, False), (48, True)])
+async def test_ipv6_clients_are_limited_per_64_by_default(
+    limiter_factory: Factory, ipv6_prefix: int | None, shared: bool
+) -> None:
+    """Two addresses of one /64 share a budget by default; ipv6_prefix=128 keys each alone."""
+    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    options: dict[str, object] = {} if ipv6_prefix is None else {"ipv6_prefix": ipv6_prefix}
+    middleware = rate_limit_middleware(limiter, trusted_proxies=["127.0.0.1"], **options)  # type: ignore[arg-type]
+    async with serve(app_with([middleware])) as get:
+        a = await get("/", headers={"X-Forwarded-For": "2001:db8:1:2::a"})
+        b = await get("/", headers={"X-Forwarded-For": "2001:db8:1:2:ffff:ffff:ffff:b"})
+        v4 = [await get("/", headers={"X-Forwarded-For": f"203.0.113.{n}"}) for n in (1, 2)]
+        mapped = await get("/", headers={"X-Forwarded-For": "::ffff:203.0.113.1"})
+    assert a[0] == 200 and b[0] == (429 if shared else 200)
+    assert [r[0] for r in v4] == [200, 200]  # IPv4 stays per address
+    assert mapped[0] == 429  # an IPv4-mapped address is that IPv4 address

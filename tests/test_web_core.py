@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiolimit import ConfigurationError, Decision, Limit, PairDecision
 from aiolimit._web.client_ip import ClientIPResolver
@@ -18,7 +20,7 @@ from aiolimit._web.headers import (
     rate_limit_headers,
     retry_after_seconds,
 )
-from aiolimit._web.keys import key_value
+from aiolimit._web.keys import key_value, raw_header_key
 
 TEN_PER_SECOND = Limit(10, per=1)
 HUNDRED_PER_MINUTE = Limit(100, per=60)
@@ -72,16 +74,29 @@ def test_rfc7239_forwarded_header() -> None:
     """With header='forwarded', for= values (quoted IPv6 with port included) are honoured."""
     resolver = ClientIPResolver(["10.0.0.0/8"], header="forwarded")
     value = 'for=198.51.100.1;proto=https, for="[2001:db8::7]:4711";by=10.0.0.1'
-    assert resolver.resolve("10.0.0.1", [value]) == "2001:db8::7"
+    assert resolver.resolve("10.0.0.1", [value]) == "2001:db8::/64"  # IPv6: per /64
     assert resolver.resolve("10.0.0.1", ["for=_hidden"]) == "10.0.0.1"
 
 
-def test_ipv6_grouped_by_prefix_and_ipv4_mapped_unwrapped() -> None:
-    """IPv6 clients share one identifier per /64 when asked; ::ffff:a.b.c.d is plain IPv4."""
-    resolver = ClientIPResolver(ipv6_prefix=64)
+def test_ipv6_keyed_per_64_by_default_and_ipv4_mapped_unwrapped() -> None:
+    """IPv6 clients share one identifier per /64 by default; ::ffff:a.b.c.d is plain IPv4."""
+    resolver = ClientIPResolver()
     assert resolver.resolve("2001:db8:1:2:aaaa::1", []) == "2001:db8:1:2::/64"
     assert resolver.resolve("2001:db8:1:2:bbbb::9", []) == "2001:db8:1:2::/64"
+    assert resolver.resolve("2001:db8:1:3::1", []) == "2001:db8:1:3::/64"
     assert resolver.resolve("::ffff:192.0.2.1", []) == "192.0.2.1"
+    assert resolver.resolve("192.0.2.1", []) == "192.0.2.1"
+    behind_proxy = ClientIPResolver(["10.0.0.0/8"])
+    assert behind_proxy.resolve("10.0.0.1", ["2001:db8::7"]) == "2001:db8::/64"
+
+
+def test_ipv6_prefix_128_keys_each_address_and_other_prefixes_group() -> None:
+    """ipv6_prefix=128 keys every IPv6 address alone (as it is written); /48 groups a site."""
+    per_address = ClientIPResolver(ipv6_prefix=128)
+    assert per_address.resolve("2001:db8:1:2:aaaa::1", []) == "2001:db8:1:2:aaaa::1"
+    assert per_address.resolve("::ffff:192.0.2.1", []) == "192.0.2.1"
+    per_site = ClientIPResolver(ipv6_prefix=48)
+    assert per_site.resolve("2001:db8:1:2:aaaa::1", []) == "2001:db8:1::/48"
 
 
 def test_bad_resolver_configuration_fails_at_once() -> None:
@@ -90,21 +105,78 @@ def test_bad_resolver_configuration_fails_at_once() -> None:
         ClientIPResolver(["not-a-network"])
     with pytest.raises(ConfigurationError):
         ClientIPResolver(header="x-real-ip")  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError):
-        ClientIPResolver(ipv6_prefix=129)
+    for prefix in (0, 129, None, True, "64"):
+        with pytest.raises(ConfigurationError):
+            ClientIPResolver(ipv6_prefix=prefix)  # type: ignore[arg-type]
 
 
 def test_key_values_are_bounded_and_encodable() -> None:
-    """Huge values are hashed, lone surrogates escaped, empty values mean 'no key'."""
+    """Huge values are hashed, undecodable ones escaped, empty values mean 'no key'."""
     assert key_value("") is None
+    assert key_value(b"") is None
     assert key_value(None) is None
     assert key_value(42) == "42"
     assert key_value("ünïcode") == "ünïcode"
+    assert key_value("ünïcode".encode()) == "ünïcode"
     hashed = key_value("x" * 100_000)
-    assert hashed is not None and hashed.startswith("sha256:") and len(hashed) < 80
-    escaped = key_value("bad\udcffbyte")
-    assert escaped is not None
-    escaped.encode("utf-8")  # no lone surrogate left
+    assert hashed is not None and hashed.startswith("~sha256:") and len(hashed) < 80
+    for strange in ("bad\udcffbyte", b"bad\xffbyte", "~tilde"):
+        escaped = key_value(strange)
+        assert escaped is not None and escaped.startswith("~")
+        escaped.encode("utf-8")  # no lone surrogate left
+    assert key_value(b"bad\xff\\byte") == r"~=bad\xff\\byte"
+
+
+TRICKY = [b"~", b"~=", b"\\", rb"\xff", b"\xff", b"\xed\xb3\xbf", b"sha256:", b"z" * 199]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.binary(max_size=6),
+            st.lists(st.sampled_from(TRICKY), max_size=4).map(b"".join),
+            st.integers(190, 210).map(lambda n: b"\xc3\xa9" * n),  # near the length bound
+        ),
+        unique=True,
+    )
+)
+def test_key_values_of_bytes_are_one_to_one(values: list[bytes]) -> None:
+    """Different bytes never give the same identifier text (escapes and hashes included)."""
+    texts = [key_value(value) for value in values if value]
+    assert len(set(texts)) == len(texts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.text(st.characters(exclude_categories=()), max_size=6),  # lone surrogates too
+            st.lists(
+                st.sampled_from(["~", "\\", "\udcff", "\udced", "é", "z" * 199]), max_size=4
+            ).map("".join),
+        ),
+        unique=True,
+    )
+)
+def test_key_values_of_text_are_one_to_one(values: list[str]) -> None:
+    """Different text never gives the same identifier text, lone surrogates included."""
+    texts = [key_value(value) for value in values if value]
+    assert len(set(texts)) == len(texts)
+
+
+def test_raw_header_key_reads_the_first_field_by_name_in_any_case() -> None:
+    """A header key returns the first matching field's bytes, None without one."""
+
+    class Request:
+        fields = ((b"Host", b"x"), (b"X-User", b"\xffalice"), (b"x-user", b"bob"))
+
+    key = raw_header_key("x-USER", lambda request: request.fields)
+    assert key(Request()) == b"\xffalice"
+    assert raw_header_key("x-other", lambda request: request.fields)(Request()) is None
+    for name in ("", "clé", None):
+        with pytest.raises(ConfigurationError):
+            raw_header_key(name, lambda request: ())  # type: ignore[arg-type]
 
 
 def test_quota_and_window_of_other_limit_shapes() -> None:

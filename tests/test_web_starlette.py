@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -320,3 +321,75 @@ async def test_fastapi_dependency_refunds_5xx_but_not_4xx(limiter_factory: Facto
     assert failed == [502] * 4
     assert missing.status_code == 404
     assert items(who.headers["ratelimit"])["ip-3-per-60s"]["r"] == 1
+
+
+LONG = b"z" * 300
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (b"\xff", rb"\xed\xb3\xbf"),
+        (b"\xff", b"\xfe"),
+        # A long value was replaced by "sha256:<its hash>", which a client can send itself.
+        (LONG, b"sha256:" + hashlib.sha256(LONG).hexdigest().encode()),
+        (b"caf\xc3\xa9", b"caf\xe9"),  # UTF-8 and Latin-1 spellings of one word
+        (b"~x", b"x"),
+    ],
+)
+async def test_distinct_header_bytes_are_distinct_identifiers(
+    limiter_factory: Factory, first: bytes, second: bytes
+) -> None:
+    """Two different raw header values never share an identifier, whatever their bytes."""
+    limiter = limiter_factory({"user": [Limit(1, per=60)]})
+    app = starlette_app(limiter, keys={"user": header_key("x-user")})
+    async with serve(app) as client:
+        statuses = [
+            (await client.get("/", headers={"x-user": value})).status_code  # type: ignore[dict-item]
+            for value in (first, second, first, second)
+        ]
+    assert statuses == [200, 200, 429, 429]
+
+
+async def test_header_key_of_utf8_bytes_is_their_text(limiter_factory: Factory) -> None:
+    """A UTF-8 header value is its text (as on aiohttp), not its bytes read as Latin-1."""
+    limiter = limiter_factory({"user": [Limit(5, per=60)]})
+    app = starlette_app(limiter, keys={"user": header_key("x-user")})
+    async with serve(app) as client:
+        await client.get("/", headers={"x-user": "café".encode()})
+    # peek answers as try_acquire would: 5, minus the request above, minus this one.
+    assert (await limiter.peek("user:café")).remaining == 3
+
+
+@pytest.mark.parametrize(("ipv6_prefix", "shared"), [(None, True), (128, False), (48, True)])
+async def test_ipv6_clients_are_limited_per_64_by_default(
+    limiter_factory: Factory, ipv6_prefix: int | None, shared: bool
+) -> None:
+    """Two addresses of one /64 share a budget by default; ipv6_prefix=128 keys each alone."""
+    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    options: dict[str, object] = {} if ipv6_prefix is None else {"ipv6_prefix": ipv6_prefix}
+    app = starlette_app(limiter, trusted_proxies=["127.0.0.1"], **options)
+    async with serve(app) as client:
+
+        async def status(forwarded_for: str) -> int:
+            response = await client.get("/", headers={"x-forwarded-for": forwarded_for})
+            return response.status_code
+
+        a = await status("2001:db8:1:2::a")
+        b = await status("2001:db8:1:2:ffff:ffff:ffff:b")
+        v4 = [await status(f"203.0.113.{n}") for n in (1, 2)]
+        mapped = await status("::ffff:203.0.113.1")
+    assert a == 200 and b == (429 if shared else 200)
+    assert v4 == [200, 200]  # IPv4 stays per address
+    assert mapped == 429  # an IPv4-mapped address is that IPv4 address
+
+
+async def test_fastapi_dependency_keys_ipv6_per_64(limiter_factory: Factory) -> None:
+    """The FastAPI dependency groups IPv6 clients per /64 by default too."""
+    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    app = fastapi_app(limiter, trusted_proxies=["127.0.0.1"])
+    async with serve(app) as client:
+        first = await client.get("/who", headers={"x-forwarded-for": "2001:db8::1"})
+        second = await client.get("/who", headers={"x-forwarded-for": "2001:db8::2"})
+    assert first.json() == {"ids": ["ip:2001:db8::/64"]}
+    assert second.status_code == 429

@@ -19,6 +19,9 @@ ForwardedHeader = Literal["x-forwarded-for", "forwarded"]
 
 MAX_FORWARDED_CHARS = 8192
 MAX_HOPS = 64
+#: IPv6 clients are keyed per /64: one subscriber usually holds a whole /64 and can rotate
+#: through its addresses at will, so a per-address limit would not limit them at all.
+DEFAULT_IPV6_PREFIX = 64
 
 
 def parse_ip(text: str) -> IPAddress | None:
@@ -59,8 +62,12 @@ class ClientIPResolver:
     written by the client and can be anything). A malformed hop stops the walk at the last
     good one, so garbage can never pick the client's identity. Only ``header`` is read
     (``X-Forwarded-For`` or RFC 7239 ``Forwarded``), never both: a proxy sets one, and the
-    other would come from the client untouched. IPv6 clients may be grouped by ``/ipv6_prefix``
-    (one /64 is usually one subscriber).
+    other would come from the client untouched.
+
+    IPv6 clients are keyed per network of ``ipv6_prefix`` bits, /64 by default
+    (``"2001:db8:1:2::/64"``): one subscriber usually holds a whole /64 and picks addresses
+    from it freely. ``ipv6_prefix=128`` keys each IPv6 address alone. IPv4 clients are keyed
+    per address, and an IPv4-mapped IPv6 address (``::ffff:192.0.2.1``) is that IPv4 address.
     """
 
     def __init__(
@@ -68,7 +75,7 @@ class ClientIPResolver:
         trusted_proxies: Iterable[str] = (),
         *,
         header: ForwardedHeader = "x-forwarded-for",
-        ipv6_prefix: int | None = None,
+        ipv6_prefix: int = DEFAULT_IPV6_PREFIX,
     ) -> None:
         if isinstance(trusted_proxies, str):
             trusted_proxies = (trusted_proxies,)
@@ -84,12 +91,15 @@ class ClientIPResolver:
             raise ConfigurationError(
                 f"forwarded_header must be 'x-forwarded-for' or 'forwarded', got {header!r}"
             )
-        if ipv6_prefix is not None and (
+        if (
             isinstance(ipv6_prefix, bool)
             or not isinstance(ipv6_prefix, int)
             or not 1 <= ipv6_prefix <= 128
         ):
-            raise ConfigurationError(f"ipv6_prefix must be None or 1..128, got {ipv6_prefix!r}")
+            raise ConfigurationError(
+                f"ipv6_prefix must be an int from 1 to 128 (64 by default; 128 keys each IPv6 "
+                f"address alone), got {ipv6_prefix!r}"
+            )
         self.header = header
         self.ipv6_prefix = ipv6_prefix
 
@@ -130,7 +140,8 @@ class ClientIPResolver:
             yield _forwarded_for(hop) if self.header == "forwarded" else hop
 
     def format(self, address: IPAddress) -> str:
-        if self.ipv6_prefix is not None and isinstance(address, ipaddress.IPv6Address):
+        """The identifier text: an IPv4 address, or the IPv6 network of ``ipv6_prefix`` bits."""
+        if isinstance(address, ipaddress.IPv6Address) and self.ipv6_prefix < 128:
             network = ipaddress.IPv6Network((address, self.ipv6_prefix), strict=False)
             return str(network)
         return str(address)

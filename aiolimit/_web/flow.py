@@ -1,9 +1,9 @@
 """What the web integrations share about one request, whatever the framework: which rule
 applies to its route, asking the limiter (``judge``), and giving a charge back (``refund``).
 
-The pieces it builds on have their own modules: the client's IP behind trusted proxies
-(``_web_client_ip``), key functions (``_web_keys``), and the RateLimit headers and
-problem+json bodies (``_web_headers``).
+The pieces it builds on have their own modules beside this one: the client's IP behind
+trusted proxies (``client_ip``), key functions (``keys``), and the RateLimit headers and
+problem+json bodies (``headers``).
 """
 
 from __future__ import annotations
