@@ -204,13 +204,18 @@ class Protocol:
         return result
 
     async def refund(self, plans: Sequence[IdentifierPlan], weight: int) -> Decision:
-        """Gives ``weight`` back on every pair, once (a resent copy replays)."""
+        """Gives ``weight`` back on every pair, once (a resent copy replays). A refund once
+        started finishes even if its caller is cancelled."""
         keys = [plan.keys[0] for plan in plans]
         op = self.ops.open(keys)
-        try:
-            return await self.decide(REFUND, plans, weight, op)
-        finally:
-            self.ops.settle(keys, op)
+
+        async def refund() -> Decision:
+            try:
+                return await self.decide(REFUND, plans, weight, op)
+            finally:
+                self.ops.settle(keys, op)
+
+        return await self._shielded(refund(), own_budget=False)
 
     async def _two_phase(
         self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, now_us: int | None,
@@ -314,13 +319,21 @@ class Protocol:
         task.add_done_callback(_retrieve)
         return task
 
-    async def _shielded(self, work: Coroutine[Any, Any, T]) -> T:
-        """Runs ``work`` to its end within ``UNDO_BUDGET``: a cancellation of the caller
-        stops the wait, not the work."""
+    async def _shielded(self, work: Coroutine[Any, Any, T], *, own_budget: bool = True) -> T:
+        """Runs ``work`` to its end: a cancellation of the caller stops the wait, not the work.
+
+        With ``own_budget`` the work gets ``UNDO_BUDGET`` seconds of its own (an undo must
+        finish even when the decision ran out of time); without, it keeps the caller's
+        deadline, if any.
+        """
+        inherited = DECISION_DEADLINE.get()
 
         async def bounded() -> T:
-            DECISION_DEADLINE.set(time.monotonic() + UNDO_BUDGET)
-            async with asyncio.timeout(UNDO_BUDGET):
+            deadline = inherited
+            if own_budget or deadline is None:
+                deadline = time.monotonic() + UNDO_BUDGET
+                DECISION_DEADLINE.set(deadline)
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
                 return await work
 
         return await asyncio.shield(self._spawn(bounded()))

@@ -13,8 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
-
 from aiolimit._decision import Decision
 from aiolimit._errors import BackendError, ConfigurationError, WeightNeverFits
 from aiolimit._limiter import Limiter
@@ -119,17 +117,17 @@ class RouteTable:
 
 
 async def refund_quietly(limiter: Limiter, ids: Sequence[str], weight: int) -> None:
-    """Gives the weight back, shielded from cancellation; a store failure is only logged.
+    """Gives the weight back; a store failure is only logged.
 
     Cancellation of the request itself never triggers a refund (a client that hangs up early
-    must not get its requests for free); this only keeps a started refund from being lost.
+    must not get its requests for free); a refund once started finishes even if the request
+    is cancelled meanwhile (the limiter runs it in a task of its own).
     """
-    with anyio.CancelScope(shield=True):
-        try:
-            await limiter.refund(list(ids), weight)
-        except BackendError as exc:
-            logger.warning("aiolimit: refund of %d on %d identifier(s) failed: %s",
-                           weight, len(ids), exc)  # fmt: skip
+    try:
+        await limiter.refund(list(ids), weight)
+    except BackendError as exc:
+        logger.warning("aiolimit: refund of %d on %d identifier(s) failed: %s",
+                       weight, len(ids), exc)  # fmt: skip
 
 
 # -- one request ----------------------------------------------------------------------------
