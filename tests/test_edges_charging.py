@@ -1,0 +1,681 @@
+"""Issue 9 (items 1, 2, 4, 5): what the caller was told is what is stored.
+
+A decision is charged exactly when its caller was told "admitted" (``allowed`` and not
+``degraded``): never for an error, a degraded answer, a deadline, a cancellation, a late
+execution by a resumed server or a reply that came back late, nor twice for a client that
+resends by itself; and an undo keeps trying until a failed decision is "never happened".
+
+Every test ends the same way: let everything drain (the limiter is closed, the server answers
+again), then read the stored charge back with a fresh limiter's ``peek`` (``remaining`` of a
+limit far from full: charge = amount - weight - remaining) and compare it with the weight of
+the decisions that were reported admitted. Real servers only; network faults go through
+``tests/_proxy.py``; server faults are real signals to pids the ``cluster`` package started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from _proxy import Link, Proxies, Proxy, script_calls
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+
+import cluster
+from aiolimit import BackendError, Decision, Limit, Limiter, SlidingLog
+from aiolimit._keys import main_key
+
+#: Far from full in every test, so peek's ``remaining`` always shows the stored charge.
+ROOMY = Limit(1_000_000, per=3600)
+
+
+def told_admitted(outcome: object) -> bool:
+    """The caller was told "admitted": a real (not degraded) allowed decision."""
+    return isinstance(outcome, Decision) and outcome.allowed and not outcome.degraded
+
+
+async def charged(store: Any, prefix: str, identifier: str, limit: Limit = ROOMY) -> int:
+    """Weight stored for ``identifier`` under ``limit``, read by a fresh limiter's peek."""
+    async with Limiter(store, [limit], prefix=prefix, deadline=5.0) as reader:
+        decision = await reader.peek(identifier)
+    if decision.allowed:  # remaining after one more unit
+        return limit.amount - 1 - decision.remaining
+    return limit.amount - decision.remaining  # full: remaining as it stands
+
+
+async def settle(
+    read: Any, expected: int, *, within: float = 5.0, poll: float = 0.05
+) -> tuple[bool, int]:
+    """Polls ``await read()`` until it equals ``expected`` or ``within`` seconds pass.
+
+    Returns (converged, last value). Read errors (a node failing over) count as "not yet".
+    """
+    deadline = time.monotonic() + within
+    last = -1
+    while True:
+        try:
+            last = await read()
+        except BackendError:
+            last = -1
+        if last == expected:
+            return True, last
+        if time.monotonic() >= deadline:
+            return False, last
+        await asyncio.sleep(poll)
+
+
+async def _outcome(call: Any) -> object:
+    """The decision, or the BackendError raised (on_error="raise")."""
+    try:
+        result: object = await call
+    except BackendError as error:
+        result = error
+    return result
+
+
+def slot_of(prefix: str, identifier: str) -> int:
+    return key_slot(main_key(prefix, identifier).encode())
+
+
+def owner(nodes: cluster.Cluster, prefix: str, identifier: str) -> cluster.Node:
+    return nodes.node_for_slot(slot_of(prefix, identifier))
+
+
+def proxied_client(nodes: cluster.Cluster, proxies: Proxies) -> RedisCluster:
+    """The cluster client aiolimit builds for a redis+cluster:// URL (no redis-py retries,
+    reinitialize_steps=0, no socket timeout), with every node reached through its proxy."""
+    seed = nodes.nodes[0]
+    return RedisCluster(
+        host=seed.host,
+        port=seed.port,
+        address_remap=proxies.remap,
+        reinitialize_steps=0,
+        retry=Retry(NoBackoff(), 0),
+        socket_timeout=None,
+        socket_connect_timeout=2.0,
+        health_check_interval=0,
+    )
+
+
+@pytest.fixture
+async def standalone_proxy(redis_url: str) -> AsyncIterator[Proxy]:
+    """A proxy in front of the shared standalone server."""
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = await Proxy(host, int(port)).start()
+    yield proxy
+    await proxy.aclose()
+
+
+# --- item 1: cancelled calls ------------------------------------------------------------------
+
+#: When to cancel, after creating the calls: right away, after a few event-loop turns, or
+#: after a short real pause (so some calls are on the wire, some answered, some not yet sent).
+CANCEL_POINTS: list[tuple[str, float]] = [
+    *[("ticks", n) for n in range(6)],
+    *[("seconds", s) for s in (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.001, 0.002, 0.004)],
+]
+CALLS_PER_POINT = 40
+
+
+@pytest.fixture(params=["standalone", "memory"])
+def single_slot_store(request: pytest.FixtureRequest) -> str:
+    """A store on which a one-identifier decision is one atomic call. (On one cluster slot,
+    cancelling by the clock rarely lands after the send: see the proxied test below.)"""
+    if request.param == "standalone":
+        url: str = request.getfixturevalue("redis_url")
+        return url
+    return "memory://"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 9 item 1: a cancelled call is charged when its script runs anyway "
+    "(of 560 calls: standalone stored 520 for 80 admitted; memory 520 for 480)",
+)
+async def test_cancelled_single_slot_calls_charge_nothing(
+    single_slot_store: str, prefix: str
+) -> None:
+    """Calls cancelled at any point leave exactly the admitted decisions' weight stored."""
+    limiter = Limiter(single_slot_store, [ROOMY], prefix=prefix)
+    await limiter.peek("warm-up")  # connections open and the script loaded
+    admitted = cancelled = 0
+    for kind, amount in CANCEL_POINTS:
+        calls = [
+            asyncio.ensure_future(limiter.try_acquire("ip:203.0.113.7"))
+            for _ in range(CALLS_PER_POINT)
+        ]
+        if kind == "ticks":
+            for _ in range(int(amount)):
+                await asyncio.sleep(0)
+        else:
+            await asyncio.sleep(amount)
+        for call in calls:
+            call.cancel()
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            admitted += told_admitted(outcome)
+            cancelled += isinstance(outcome, asyncio.CancelledError)
+    store = limiter.store
+    await limiter.aclose()  # everything sent has been answered
+    reader: Any = store if single_slot_store == "memory://" else single_slot_store
+    converged, stored = await settle(
+        lambda: charged(reader, prefix, "ip:203.0.113.7"), admitted, within=3.0
+    )
+    assert cancelled > 0
+    assert converged, f"stored {stored} for {admitted} admitted ({cancelled} cancelled)"
+
+
+IDENTIFIER = "ip:203.0.113.7"
+
+
+@pytest.fixture(params=["standalone", "cluster-one-slot"])
+async def on_the_wire(
+    request: pytest.FixtureRequest, prefix: str
+) -> AsyncIterator[tuple[Limiter, Proxy, str]]:
+    """(a limiter whose calls for IDENTIFIER cross ``proxy``, that proxy, a URL to read the
+    store directly). The cluster limiter uses a client of the test's own (aiolimit's
+    settings, address_remap to the proxies): a URL cannot name proxies."""
+    if request.param == "standalone":
+        url: str = request.getfixturevalue("redis_url")
+        host, port = url.removeprefix("redis://").split("/")[0].split(":")
+        proxy = await Proxy(host, int(port)).start()
+        limiter = Limiter(proxy.url, [ROOMY], prefix=prefix)
+        yield limiter, proxy, url
+        await limiter.aclose()
+        await proxy.aclose()
+        return
+    nodes: cluster.Cluster = request.getfixturevalue("local_cluster")
+    proxies = await Proxies().start((node.host, node.port) for node in nodes.nodes)
+    client = proxied_client(nodes, proxies)
+    limiter = Limiter(client, [ROOMY], prefix=prefix)
+    yield limiter, proxies[owner(nodes, prefix, IDENTIFIER).port], nodes.url
+    await limiter.aclose()
+    await client.aclose()
+    await proxies.aclose()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 9 item 1: a call cancelled once sent runs in the server and stays charged "
+    "(standalone and one cluster slot: stored 200 for 0 admitted)",
+)
+async def test_calls_cancelled_once_sent_charge_nothing(
+    on_the_wire: tuple[Limiter, Proxy, str], prefix: str
+) -> None:
+    """Calls cancelled the moment their request leaves the client (the server then runs
+    them) leave exactly the admitted decisions' weight stored."""
+    limiter, proxy, direct_url = on_the_wire
+    await limiter.peek(IDENTIFIER)  # connections open and the script loaded
+    in_flight: list[asyncio.Future[Decision]] = []
+
+    def cancel_in_flight(link: Link, data: bytes) -> None:
+        if script_calls(data):
+            for call in in_flight:
+                call.cancel()
+
+    proxy.on_request = cancel_in_flight
+    admitted = cancelled = 0
+    for _ in range(20):
+        in_flight[:] = [asyncio.ensure_future(limiter.try_acquire(IDENTIFIER)) for _ in range(10)]
+        for outcome in await asyncio.gather(*in_flight, return_exceptions=True):
+            admitted += told_admitted(outcome)
+            cancelled += isinstance(outcome, asyncio.CancelledError)
+    proxy.on_request = None
+    await limiter.aclose()
+    assert cancelled > 0
+    converged, stored = await settle(lambda: charged(direct_url, prefix, IDENTIFIER), admitted)
+    assert converged, f"stored {stored} for {admitted} admitted ({cancelled} cancelled)"
+
+
+# --- item 1: a stopped server, and replies that come back late ---------------------------------
+
+DEADLINE = 0.2
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 9 item 1: a stopped server runs the abandoned scripts when resumed and "
+    "charges them (stored 13 for 1 admitted, each policy)",
+)
+@pytest.mark.parametrize("on_error", ["raise", "closed", "open"])
+async def test_calls_abandoned_on_a_stopped_server_charge_nothing(
+    fresh_standalone: cluster.Standalone, prefix: str, on_error: str
+) -> None:
+    """Calls that met a SIGSTOPped server and got an error or a degraded answer at their
+    deadline are not charged when the server resumes and runs them."""
+    limiter = Limiter(
+        fresh_standalone.url,
+        [ROOMY],
+        prefix=prefix,
+        deadline=DEADLINE,
+        on_error=on_error,  # type: ignore[arg-type]
+        failure_threshold=1000,  # every call reaches the server
+    )
+    outcomes: list[object] = []
+    try:
+        outcomes.append(await limiter.try_acquire("ip:203.0.113.7"))  # admitted, charged
+        fresh_standalone.pause()
+        try:
+            started = time.monotonic()
+            for _ in range(4):
+                outcomes.append(await _outcome(limiter.try_acquire("ip:203.0.113.7")))
+            concurrent = [limiter.try_acquire("ip:203.0.113.7") for _ in range(8)]
+            outcomes += await asyncio.gather(*map(_outcome, concurrent))
+            assert time.monotonic() - started < 5 * (DEADLINE + 0.25)
+            await asyncio.sleep(DEADLINE)  # resumed well after every deadline
+        finally:
+            fresh_standalone.resume()
+    finally:
+        await limiter.aclose()  # waits for the late replies: the scripts have run
+    failed = [outcome for outcome in outcomes[1:] if not told_admitted(outcome)]
+    assert len(failed) == 12  # every call met the stopped server
+    admitted = sum(map(told_admitted, outcomes))
+    converged, stored = await settle(
+        lambda: charged(fresh_standalone.url, prefix, "ip:203.0.113.7"), admitted
+    )
+    assert converged, f"stored {stored} for {admitted} admitted"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 9 item 1: a call whose reply comes back after the deadline stays charged "
+    "(stored 11 for 1 admitted, each policy)",
+)
+@pytest.mark.parametrize("on_error", ["raise", "closed", "open"])
+async def test_late_replies_past_the_deadline_charge_nothing(
+    standalone_proxy: Proxy, prefix: str, on_error: str
+) -> None:
+    """The server runs the call on time but its reply arrives after the deadline: the caller
+    got an error or a degraded answer, so nothing stays charged."""
+    limiter = Limiter(
+        standalone_proxy.url,
+        [ROOMY],
+        prefix=prefix,
+        deadline=DEADLINE,
+        on_error=on_error,  # type: ignore[arg-type]
+        failure_threshold=1000,
+    )
+    outcomes: list[object] = []
+    try:
+        outcomes.append(await limiter.try_acquire("ip:203.0.113.7"))
+        standalone_proxy.delay = DEADLINE * 2.5
+        for _ in range(4):
+            outcomes.append(await _outcome(limiter.try_acquire("ip:203.0.113.7")))
+        concurrent = [limiter.try_acquire("ip:203.0.113.7") for _ in range(6)]
+        outcomes += await asyncio.gather(*map(_outcome, concurrent))
+        standalone_proxy.delay = 0.0  # later traffic (an undo, if any) is not delayed
+    finally:
+        await limiter.aclose()
+    assert not any(map(told_admitted, outcomes[1:]))
+    admitted = sum(map(told_admitted, outcomes))
+    converged, stored = await settle(
+        lambda: charged(standalone_proxy.url, prefix, "ip:203.0.113.7"), admitted
+    )
+    assert converged, f"stored {stored} for {admitted} admitted"
+
+
+@pytest.mark.skip(
+    reason="issue 9 item 1 (SlidingLog weight 999,999 runs ~2 s in Redis): bounded separately "
+    "by the cost work; this file covers the charging side only"
+)
+async def test_expensive_sliding_log_call_past_the_deadline_charges_nothing() -> None:
+    """A SlidingLog(1_000_000, per=2) call of weight 999,999 that outlives its deadline in
+    the server is not charged."""
+
+
+# --- item 2: a user's own client that resends by itself ---------------------------------------
+
+
+def drop_first_script_reply(proxy: Proxy) -> list[int]:
+    """Arms ``proxy``: the reply to the next script call is lost with its connection (the
+    server ran the call). Returns a list that counts the connections dropped."""
+    dropped: list[int] = []
+
+    def on_request(link: Link, data: bytes) -> None:
+        if script_calls(data) and not dropped and "doomed" not in link.marks:
+            link.marks["doomed"] = True
+
+    def on_reply(link: Link, data: bytes) -> None:
+        if link.marks.get("doomed") and not dropped:
+            dropped.append(1)
+            link.abort()
+
+    proxy.on_request, proxy.on_reply = on_request, on_reply
+    return dropped
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 9 item 2: redis-py's default retry resends the script after a lost reply "
+    "and it is charged twice (stored 2 for 1 admitted)",
+)
+@pytest.mark.parametrize("weight", [1, 7])
+async def test_users_own_client_with_default_retries_charges_once(
+    standalone_proxy: Proxy, prefix: str, weight: int
+) -> None:
+    """Limiter(redis.asyncio.Redis(...)) with redis-py's default retries: a reply lost after
+    the server ran the call is never charged twice (stored == weight admitted)."""
+    client = Redis(host="127.0.0.1", port=standalone_proxy.port)  # redis-py's defaults
+    limiter = Limiter(client, [ROOMY], prefix=prefix)
+    try:
+        await limiter.peek("warm-up")  # the script is loaded; no NOSCRIPT round below
+        dropped = drop_first_script_reply(standalone_proxy)
+        outcome = await _outcome(limiter.try_acquire("ip:203.0.113.7", weight))
+        assert dropped == [1]  # the fault did happen
+    finally:
+        await limiter.aclose()
+        await client.aclose()
+    admitted = weight if told_admitted(outcome) else 0
+    converged, stored = await settle(
+        lambda: charged(standalone_proxy.url, prefix, "ip:203.0.113.7"), admitted
+    )
+    assert converged, f"stored {stored} for {admitted} admitted ({outcome!r})"
+
+
+@pytest.mark.cluster
+async def test_users_own_cluster_client_with_default_retries_charges_once(
+    local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """Limiter(RedisCluster(...)) with redis-py's default retries: a lost reply to a
+    one-slot call is not charged twice either."""
+    proxies = await Proxies().start((node.host, node.port) for node in local_cluster.nodes)
+    seed = local_cluster.nodes[0]
+    client = RedisCluster(host=seed.host, port=seed.port, address_remap=proxies.remap)
+    limiter = Limiter(client, [ROOMY], prefix=prefix)
+    identifier = "ip:203.0.113.7"
+    try:
+        await limiter.peek(identifier)
+        owner = local_cluster.node_for_slot(key_slot(main_key(prefix, identifier).encode()))
+        dropped = drop_first_script_reply(proxies[owner.port])
+        outcome = await _outcome(limiter.try_acquire(identifier, 3))
+        assert dropped == [1]
+    finally:
+        await limiter.aclose()
+        await client.aclose()
+        await proxies.aclose()
+    admitted = 3 if told_admitted(outcome) else 0
+    converged, stored = await settle(
+        lambda: charged(local_cluster.url, prefix, identifier), admitted
+    )
+    assert converged, f"stored {stored} for {admitted} admitted ({outcome!r})"
+
+
+# --- item 4: exactly-once bookkeeping outlives every retry --------------------------------------
+
+#: Windows of a day: every key of these limits lives about a day, far beyond any deadline.
+DAY_LIMITS = [Limit(1000, per=86400, precision=3600), SlidingLog(1000, per=86400)]
+
+
+def in_other_slots(prefix: str, count: int, start: int = 0) -> list[str]:
+    """``count`` identifiers whose keys live in ``count`` different slots."""
+    chosen: dict[int, str] = {}
+    for i in range(start, start + 100_000):
+        chosen.setdefault(slot_of(prefix, f"user:{i}"), f"user:{i}")
+        if len(chosen) == count:
+            return list(chosen.values())
+    raise AssertionError("no identifiers in distinct slots")
+
+
+def key_ttls(nodes: cluster.Cluster, prefix: str) -> dict[str, int]:
+    """PTTL (ms) of every key under ``prefix`` on every primary (-1: no TTL), read raw."""
+    ttls = {}
+    for node in nodes.primaries():
+        for key in node.client.scan_iter(match=f"{prefix}:*", count=1000):
+            ttls[key] = node.client.pttl(key)
+    return ttls
+
+
+@pytest.mark.cluster
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 9 item 4: op records live 120 s whatever the deadline; a commit or undo "
+    "retried later than that is applied again (op keys with PTTL ~120000 ms for a "
+    "300 s / 3600 s deadline)",
+)
+@pytest.mark.parametrize("deadline", [300, 3600])
+async def test_exactly_once_bookkeeping_outlives_the_deadline(
+    local_cluster: cluster.Cluster, prefix: str, deadline: int
+) -> None:
+    """After charging calls (one slot, two slots, a refund) made with ``deadline``, every key
+    the limiter wrote lives at least that long: whatever makes a retried call apply once
+    cannot expire while the limiter may still retry it."""
+    ids = in_other_slots(prefix, 3)
+    async with Limiter(local_cluster.url, DAY_LIMITS, prefix=prefix, deadline=deadline) as lim:
+        assert told_admitted(await lim.try_acquire(ids[0], 2))  # one slot
+        assert told_admitted(await lim.try_acquire(ids[1:], 3))  # two slots, two phases
+        await lim.refund(ids[1:], 1)
+    ttls = key_ttls(local_cluster, prefix)
+    assert ttls, "the calls wrote nothing?"
+    short = {key: ttl for key, ttl in ttls.items() if ttl != -1 and ttl < deadline * 1000}
+    assert not short, f"{len(short)} of {len(ttls)} keys expire before the deadline: {short}"
+    assert -1 not in ttls.values(), "every key needs a TTL"
+
+
+async def test_standalone_keys_outlive_the_deadline(redis_url: str, prefix: str) -> None:
+    """On one server too, every key written by charging calls with deadline=3600 lives at
+    least as long as that deadline (the bookkeeping a fix may add included)."""
+    async with Limiter(redis_url, DAY_LIMITS, prefix=prefix, deadline=3600) as limiter:
+        assert told_admitted(await limiter.try_acquire(["user:1", "user:2"], 2))
+        await limiter.refund("user:1", 1)
+    raw = Redis.from_url(redis_url, decode_responses=True)
+    try:
+        ttls = {key: await raw.pttl(key) async for key in raw.scan_iter(match=f"{prefix}:*")}
+    finally:
+        await raw.aclose()
+    assert ttls
+    assert all(ttl >= 3600 * 1000 for ttl in ttls.values()), ttls
+
+
+# --- item 5: an undo that outlasts its first budget --------------------------------------------
+
+SMALL = Limit(10, per=3600)
+
+
+@pytest.fixture(scope="module")
+def calm_cluster() -> Iterator[cluster.Cluster]:
+    """A private 3-primary cluster without replicas and with Redis' default node timeout
+    (15 s): a primary stopped for a few seconds is never failed over, so a test decides how
+    long a node is out. Tests heal it (resume) before they return."""
+    nodes = cluster.start_cluster(replicas_per_primary=0, node_timeout_ms=15000)
+    with nodes:
+        yield nodes
+
+
+def two_primaries(nodes: cluster.Cluster, prefix: str) -> tuple[str, str]:
+    """Identifiers a, b on two different primaries, neither the seed (nodes[0])."""
+    seed_port = nodes.nodes[0].port
+    found: dict[int, str] = {}
+    for i in range(100_000):
+        identifier = f"user:{i}"
+        port = nodes.node_for_slot(slot_of(prefix, identifier)).port
+        if port != seed_port:
+            found.setdefault(port, identifier)
+        if len(found) == 2:
+            a, b = found.values()
+            return a, b
+    raise AssertionError("no identifiers on two non-seed primaries")
+
+
+def on_nth_script_call(proxy: Proxy, nth: int, action: Any) -> list[Link]:
+    """From now on, ``await action(link)`` when the ``nth`` script call reaches ``proxy``,
+    before the server sees it. (A two-slot decision sends a node its check first, then its
+    commit: after a warm-up, the commit is the 2nd.) Returns the links it fired on."""
+    seen = [0]
+    fired: list[Link] = []
+
+    async def on_request(link: Link, data: bytes) -> None:
+        before = seen[0]
+        seen[0] += script_calls(data)
+        if before < nth <= seen[0]:
+            fired.append(link)
+            await action(link)
+
+    proxy.on_request = on_request
+    return fired
+
+
+async def fill(nodes: cluster.Cluster, prefix: str, identifier: str) -> None:
+    """Another client takes all of ``identifier``'s room (told admitted: it stays charged)."""
+    async with Limiter(nodes.url, [SMALL], prefix=prefix, deadline=5.0) as other:
+        assert told_admitted(await other.try_acquire(identifier, SMALL.amount))
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+async def test_commit_stuck_on_a_stopped_node_is_undone_on_the_others(
+    calm_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """Two slots: the commit succeeds on A while B's node is SIGSTOPped: the decision fails at
+    its deadline, A's charge is undone at once, and B ends "never happened" once resumed."""
+    nodes = calm_cluster
+    a, b = two_primaries(nodes, prefix)
+    node_b = owner(nodes, prefix, b)
+    proxies = await Proxies().start((node.host, node.port) for node in nodes.nodes)
+    client = proxied_client(nodes, proxies)
+    limiter = Limiter(client, [SMALL], prefix=prefix, deadline=1.0)
+    try:
+        await limiter.peek([a, b])  # warm-up: one script call per node
+
+        async def stop_b(link: Link) -> None:
+            node_b.pause()
+
+        fired = on_nth_script_call(proxies[node_b.port], 2, stop_b)
+        started = time.monotonic()
+        outcome = await _outcome(limiter.try_acquire([a, b]))
+        assert time.monotonic() - started < 1.0 + 0.5
+        assert fired and node_b.paused
+        assert isinstance(outcome, BackendError)
+        converged, stored_a = await settle(
+            lambda: charged(nodes.url, prefix, a, SMALL), 0, within=1.0
+        )
+        assert converged, f"A still holds {stored_a} while B is stopped"
+        await asyncio.sleep(0.5)
+        node_b.resume()
+        converged, stored_b = await settle(lambda: charged(nodes.url, prefix, b, SMALL), 0)
+        assert converged, f"B holds {stored_b} after it resumed"
+    finally:
+        nodes.heal()
+        await limiter.aclose()
+        await client.aclose()
+        await proxies.aclose()
+
+
+UNDO_OUTAGE = 7.0  # longer than the 5 s an undo is given today
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 9 item 5: the undo gives up after 5 s and never tries again; the charge "
+    "on A stays (stored 1 for 0 admitted, 15 s after the decision)",
+)
+async def test_undo_cut_off_longer_than_its_budget_converges(
+    calm_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """Two slots: A commits, B is refused (another client filled it between the phases), and
+    A is cut off (its proxy drops every byte) for longer than 5 s while the undo is due: once
+    A is reachable again, A converges to "never happened" within a bounded time."""
+    nodes = calm_cluster
+    a, b = two_primaries(nodes, prefix)
+    node_a, node_b = owner(nodes, prefix, a), owner(nodes, prefix, b)
+    proxies = await Proxies().start((node.host, node.port) for node in nodes.nodes)
+    proxy_a = proxies[node_a.port]
+    client = proxied_client(nodes, proxies)
+    limiter = Limiter(client, [SMALL], prefix=prefix, deadline=1.0)
+    try:
+        await limiter.peek([a, b])
+
+        async def cut_off_a_after_its_reply(link: Link, data: bytes) -> None:
+            if link.marks.pop("commit", False):  # A's commit reply goes through, then no more
+                asyncio.get_running_loop().call_soon(proxy_a.partition)
+
+        async def mark_commit(link: Link) -> None:
+            link.marks["commit"] = True
+
+        async def fill_b(link: Link) -> None:
+            await fill(nodes, prefix, b)
+
+        on_nth_script_call(proxy_a, 2, mark_commit)
+        proxy_a.on_reply = cut_off_a_after_its_reply
+        fired = on_nth_script_call(proxies[node_b.port], 2, fill_b)
+        outcome = await _outcome(limiter.try_acquire([a, b]))
+        returned = time.monotonic()
+        assert fired and proxy_a.partitioned
+        assert not told_admitted(outcome)
+        await asyncio.sleep(max(0.0, UNDO_OUTAGE - 1.0))
+        proxy_a.heal()
+        converged, stored_a = await settle(
+            lambda: charged(nodes.url, prefix, a, SMALL), 0, within=returned + 15 - time.monotonic()
+        )
+        assert converged, f"A holds {stored_a} for 0 admitted"
+        assert await charged(nodes.url, prefix, b, SMALL) == SMALL.amount  # the filler's
+    finally:
+        for proxy in proxies.by_target.values():
+            proxy.heal()
+        await limiter.aclose()
+        await client.aclose()
+        await proxies.aclose()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 9 item 5: the undo waits on the stopped primary until its 5 s budget ends "
+    "and is never sent to the promoted replica (stored 1 for 0 admitted)",
+)
+async def test_undo_through_a_failover_converges(
+    fresh_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """Two slots: A commits (and replicates), B is refused, and A's primary is SIGSTOPped for
+    longer than 5 s, so its replica is promoted while the undo is due: the promoted replica
+    converges to "never happened" within a bounded time."""
+    nodes = fresh_cluster
+    a, b = two_primaries(nodes, prefix)
+    node_a, node_b = owner(nodes, prefix, a), owner(nodes, prefix, b)
+    (replica_a,) = [node for node in nodes.replicas() if node.execute("ROLE")[2] == node_a.port]
+    proxies = await Proxies().start((node.host, node.port) for node in nodes.nodes)
+    client = proxied_client(nodes, proxies)
+    limiter = Limiter(client, [SMALL], prefix=prefix, deadline=1.0)
+    try:
+        await limiter.peek([a, b])
+
+        async def refuse_b_then_stop_a(link: Link) -> None:
+            key = main_key(prefix, a)
+            deadline = time.monotonic() + 2.0
+            while not node_a.client.exists(key):  # A's commit has run
+                assert time.monotonic() < deadline, "A's commit never ran"
+                await asyncio.sleep(0.002)
+            offset = node_a.client.info("replication")["master_repl_offset"]
+            while replica_a.client.info("replication")["slave_repl_offset"] < offset:
+                assert time.monotonic() < deadline, "A's replica never caught up"
+                await asyncio.sleep(0.002)
+            await fill(nodes, prefix, b)
+            node_a.pause()
+
+        fired = on_nth_script_call(proxies[node_b.port], 2, refuse_b_then_stop_a)
+        outcome = await _outcome(limiter.try_acquire([a, b]))
+        stopped_at = time.monotonic()
+        assert fired and node_a.paused
+        assert not told_admitted(outcome)
+        await asyncio.sleep(UNDO_OUTAGE - 1.0)
+        node_a.resume()
+        converged, stored_a = await settle(
+            lambda: charged(nodes.url, prefix, a, SMALL),
+            0,
+            within=stopped_at + 15 - time.monotonic(),
+        )
+        assert converged, f"A holds {stored_a} for 0 admitted"
+    finally:
+        if node_a.paused:
+            node_a.resume()
+        await limiter.aclose()
+        await client.aclose()
+        await proxies.aclose()
