@@ -133,11 +133,6 @@ def single_slot_store(request: pytest.FixtureRequest) -> str:
     return "memory://"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 1: a cancelled call is charged when its script runs anyway "
-    "(of 560 calls: standalone stored 520 for 80 admitted; memory 520 for 480)",
-)
 async def test_cancelled_single_slot_calls_charge_nothing(
     single_slot_store: str, prefix: str
 ) -> None:
@@ -199,11 +194,6 @@ async def on_the_wire(
     await proxies.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 1: a call cancelled once sent runs in the server and stays charged "
-    "(standalone and one cluster slot: stored 200 for 0 admitted)",
-)
 async def test_calls_cancelled_once_sent_charge_nothing(
     on_the_wire: tuple[Limiter, Proxy, str], prefix: str
 ) -> None:
@@ -238,11 +228,6 @@ DEADLINE = 0.2
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 1: a stopped server runs the abandoned scripts when resumed and "
-    "charges them (stored 13 for 1 admitted, each policy)",
-)
 @pytest.mark.parametrize("on_error", ["raise", "closed", "open"])
 async def test_calls_abandoned_on_a_stopped_server_charge_nothing(
     fresh_standalone: cluster.Standalone, prefix: str, on_error: str
@@ -282,11 +267,6 @@ async def test_calls_abandoned_on_a_stopped_server_charge_nothing(
     assert converged, f"stored {stored} for {admitted} admitted"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 1: a call whose reply comes back after the deadline stays charged "
-    "(stored 11 for 1 admitted, each policy)",
-)
 @pytest.mark.parametrize("on_error", ["raise", "closed", "open"])
 async def test_late_replies_past_the_deadline_charge_nothing(
     standalone_proxy: Proxy, prefix: str, on_error: str
@@ -350,11 +330,6 @@ def drop_first_script_reply(proxy: Proxy) -> list[int]:
     return dropped
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 2: redis-py's default retry resends the script after a lost reply "
-    "and it is charged twice (stored 2 for 1 admitted)",
-)
 @pytest.mark.parametrize("weight", [1, 7])
 async def test_users_own_client_with_default_retries_charges_once(
     standalone_proxy: Proxy, prefix: str, weight: int
@@ -432,12 +407,6 @@ def key_ttls(nodes: cluster.Cluster, prefix: str) -> dict[str, int]:
 
 
 @pytest.mark.cluster
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 4: op records live 120 s whatever the deadline; a commit or undo "
-    "retried later than that is applied again (op keys with PTTL ~120000 ms for a "
-    "300 s / 3600 s deadline)",
-)
 @pytest.mark.parametrize("deadline", [300, 3600])
 async def test_exactly_once_bookkeeping_outlives_the_deadline(
     local_cluster: cluster.Cluster, prefix: str, deadline: int
@@ -571,11 +540,6 @@ UNDO_OUTAGE = 7.0  # longer than the 5 s an undo is given today
 
 @pytest.mark.cluster
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 5: the undo gives up after 5 s and never tries again; the charge "
-    "on A stays (stored 1 for 0 admitted, 15 s after the decision)",
-)
 async def test_undo_cut_off_longer_than_its_budget_converges(
     calm_cluster: cluster.Cluster, prefix: str
 ) -> None:
@@ -626,11 +590,6 @@ async def test_undo_cut_off_longer_than_its_budget_converges(
 
 @pytest.mark.cluster
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 5: the undo waits on the stopped primary until its 5 s budget ends "
-    "and is never sent to the promoted replica (stored 1 for 0 admitted)",
-)
 async def test_undo_through_a_failover_converges(
     fresh_cluster: cluster.Cluster, prefix: str
 ) -> None:

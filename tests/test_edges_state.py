@@ -74,11 +74,6 @@ async def load(limiter: Limiter, ids: list[str], decisions: int, seed: int) -> i
     return admitted
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 3: every charging call on a cluster writes an op-record key "
-    "(kept 120 s): 5,522 keys for 32 identifiers after 4,000 decisions, up to 176 each",
-)
 async def test_keys_are_per_identifier_and_do_not_grow_with_decisions(
     local_cluster: cluster.Cluster, prefix: str
 ) -> None:
