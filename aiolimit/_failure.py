@@ -69,7 +69,11 @@ class CircuitBreaker:
     Not thread-safe: one breaker belongs to one event loop, like the limiter that owns it.
     """
 
-    def __init__(self, failure_threshold: int = 5, recovery_time: float = 1.0) -> None:
+    def __init__(
+        self, failure_threshold: int = 5, recovery_time: float = 1.0, *, name: str = ""
+    ) -> None:
+        #: What it guards: "" for the whole store, else one cluster node ("host:port").
+        self.name = name
         self.failure_threshold = check_int("failure_threshold", failure_threshold, 1, 10**6)
         self.recovery_time = check_seconds("recovery_time", recovery_time, 0, 3600, open_low=True)
         self.state: BreakerState = "closed"
@@ -130,7 +134,8 @@ class CircuitBreaker:
     def _set_state(self, state: BreakerState, why: str) -> None:
         previous, self.state = self.state, state
         level = logging.WARNING if state == "open" else logging.INFO
-        logger.log(level, "aiolimit circuit breaker %s -> %s: %s", previous, state, why)
+        where = f" for {self.name}" if self.name else ""
+        logger.log(level, "aiolimit circuit breaker%s %s -> %s: %s", where, previous, state, why)
 
     def __repr__(self) -> str:
         return (
@@ -205,11 +210,25 @@ class FailurePolicy:
             )
         self.deadline_seconds = check_optional_seconds("deadline", deadline, 0, 3600, open_low=True)
         self.on_error: OnError = on_error
+        #: The breaker of the whole store; a cluster node gets one of its own, alike
+        #: (``breaker_for``), so a frozen node's failures refuse only what needs that node.
         self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self._breakers: dict[str, CircuitBreaker] = {"": self.breaker}
         self.degraded = 0
         self.timeouts = 0
         #: The store's address, for messages (set by the limiter once its store is open).
         self.address = "the store"
+
+    def breaker_for(self, domain: str) -> CircuitBreaker:
+        """The breaker of one fault domain ("" is the whole store)."""
+        breaker = self._breakers.get(domain)
+        if breaker is None:
+            template = self.breaker
+            breaker = CircuitBreaker(
+                template.failure_threshold, template.recovery_time, name=domain
+            )
+            self._breakers[domain] = breaker
+        return breaker
 
     def deadline(self) -> _DeadlineScope | _NoDeadline:
         """A fresh ``async with`` scope bounding one decision (shared no-op when unbounded)."""
@@ -220,11 +239,23 @@ class FailurePolicy:
         """The answer while the breaker is open: the policy's, or ``BackendUnavailable``."""
         return self._answer(BackendUnavailable("circuit breaker open: the store is not asked"))
 
-    def failed(self, error: BackendError) -> Decision:
-        """Records a store failure; returns the policy's degraded decision or re-raises."""
+    def failed(
+        self, error: BackendError, breakers: tuple[CircuitBreaker, ...] | None = None
+    ) -> Decision:
+        """Records a store failure on ``breakers`` (default: the store's); returns the
+        policy's degraded decision or re-raises. An error that names its fault domain counts
+        against that domain's breaker only; the others just give up their probe."""
         if isinstance(error, DeadlineExceeded):
             self.timeouts += 1
-        self.breaker.record_failure(error)
+        if breakers is None:
+            breakers = (self.breaker,)
+        domain = getattr(error, "fault_domain", None)
+        blamed = [b for b in breakers if b.name == domain] or list(breakers)
+        for breaker in breakers:
+            if breaker in blamed:
+                breaker.record_failure(error)
+            else:
+                breaker.record_abandoned()
         return self._answer(error)
 
     def check_open(self) -> None:
@@ -246,12 +277,14 @@ class FailurePolicy:
         return Decision(False, 0, wait, wait, None, None, (), degraded=True)
 
     def statistics(self) -> BreakerStatistics:
-        breaker = self.breaker
+        """Every breaker together: the worst state, the counters summed."""
+        breakers = list(self._breakers.values())
+        worst = max(breakers, key=lambda b: _SEVERITY[b.state])
         return BreakerStatistics(
-            state=breaker.state,
-            failures=breaker.failures,
-            opened=breaker.opened,
-            short_circuited=breaker.short_circuited,
+            state=worst.state,
+            failures=sum(b.failures for b in breakers),
+            opened=sum(b.opened for b in breakers),
+            short_circuited=sum(b.short_circuited for b in breakers),
             degraded=self.degraded,
             timeouts=self.timeouts,
         )
@@ -261,6 +294,9 @@ class FailurePolicy:
             f"FailurePolicy(deadline={self.deadline_seconds!r}, on_error={self.on_error!r}, "
             f"breaker={self.breaker!r})"
         )
+
+
+_SEVERITY = {"closed": 0, "half_open": 1, "open": 2}
 
 
 def _reraise(error: BaseException) -> NoReturn:

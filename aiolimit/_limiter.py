@@ -126,8 +126,12 @@ class Limiter:
         """One decision under the failure policy: deadline, breaker, ``on_error``."""
         self._check_usable()
         failure = self._failure
-        if not failure.breaker.allow():
-            return failure.short_circuit()
+        breakers = self._breakers(plans)
+        for index, breaker in enumerate(breakers):
+            if not breaker.allow():
+                for taken in breakers[:index]:
+                    taken.record_abandoned()
+                return failure.short_circuit()
         try:
             async with failure.deadline():
                 if mode is ACQUIRE:
@@ -136,13 +140,23 @@ class Limiter:
                     decision = await self._protocol.decide(mode, plans, weight)
         except BackendError as exc:
             self._counts["errors"] += 1
-            return failure.failed(exc)
+            return failure.failed(exc, breakers)
         except BaseException:
             self._counts["errors"] += 1
-            failure.breaker.record_abandoned()
+            for breaker in breakers:
+                breaker.record_abandoned()
             raise
-        failure.breaker.record_success()
+        for breaker in breakers:
+            breaker.record_success()
         return decision
+
+    def _breakers(self, plans: list[IdentifierPlan]) -> tuple[CircuitBreaker, ...]:
+        """The breakers a decision must pass: the store's, or one per cluster node it needs."""
+        failure = self._failure
+        if self._store.single_slot:
+            return (failure.breaker,)
+        domain = self._store.fault_domain
+        return tuple({failure.breaker_for(domain(plan.keys[0])): None for plan in plans})
 
     async def try_acquire(self, ids: Identifiers, weight: int = 1) -> Decision:
         """Admits and charges ``weight`` on every pair if all have room; never waits.

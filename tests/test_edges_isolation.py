@@ -135,12 +135,6 @@ async def test_frozen_primary_leaves_other_shards_alone(
         check_unaffected(results, limiter)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 6: the topology refresh (CLUSTER SLOTS) asks a startup node picked "
-    "at random, the frozen one included, and waits on it without a socket timeout while "
-    "holding the refresh lock: healthy decisions fail at the deadline (8 of ~80)",
-)
 async def test_frozen_seed_does_not_stall_a_topology_refresh(
     calm_cluster: cluster.Cluster, prefix: str
 ) -> None:
@@ -165,12 +159,6 @@ async def test_frozen_seed_does_not_stall_a_topology_refresh(
         check_unaffected(results, limiter)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9 item 6: a burst of decisions that need the frozen primary fails at one "
-    "deadline and opens the limiter-wide breaker: the healthy shards are then refused for "
-    "recovery_time (~380 of ~670 healthy decisions refused)",
-)
 async def test_failures_on_a_frozen_shard_do_not_open_the_breaker_for_the_others(
     calm_cluster: cluster.Cluster, prefix: str
 ) -> None:

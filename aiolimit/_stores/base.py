@@ -53,6 +53,11 @@ class Store(ABC):
         into aiolimit's errors; a cancellation of the caller is raised.
         """
 
+    def fault_domain(self, key: str) -> str:
+        """What fails together with ``key`` (a cluster node), for per-domain circuit breakers;
+        "" for the whole store."""
+        return ""
+
     def slot(self, key: str) -> int:
         """The slot of a key; keys of one slot can share a call. Single-node stores: 0."""
         return 0

@@ -57,6 +57,10 @@ from aiolimit._stores.batching import Pending, TickBatcher, loop_time, wait_resu
 DEFAULT_DEADLINE = 5.0
 #: Seconds before the decision's deadline at which the store gives up (at most a tenth of it).
 DEADLINE_MARGIN = 0.05
+#: Seconds one topology refresh (CLUSTER SLOTS to a startup node) may take. redis-py asks the
+#: startup nodes in random order and holds a lock meanwhile: a frozen node would hold up every
+#: decision until its deadline. Cut short, the next attempt asks another node.
+REFRESH_TIMEOUT = 0.1
 
 
 @lru_cache(maxsize=65536)
@@ -79,6 +83,8 @@ class ClusterStoreStatistics:
     gave_up: int = 0
     #: Commands answered MOVED, ASK or TRYAGAIN in a pipeline, then resent through the client.
     redirects: int = 0
+    #: Topology refreshes cut short because the startup node asked did not answer in time.
+    slow_refreshes: int = 0
 
 
 class ClusterStore(Store):
@@ -109,6 +115,7 @@ class ClusterStore(Store):
         self._retry = RetryStatistics()
         self._stats = ClusterStoreStatistics()
         self._batcher = TickBatcher(self._send_tick, self.MAX_BATCH)
+        self._set_up = False  # the client has loaded its command table once
 
     @classmethod
     def from_url(
@@ -139,7 +146,40 @@ class ClusterStore(Store):
 
     # --- one call, retried ------------------------------------------------------------------
 
+    async def _refresh(self, deadline: float) -> None:
+        """Loads the slot map if redis-py dropped it. Each try is cut at ``REFRESH_TIMEOUT``
+        and the next asks the startup nodes in a new random order, until ``deadline``.
+
+        Once the client is set up, only the slot map is reloaded (``NodesManager``):
+        ``RedisCluster.initialize`` would also ask the first primary for ``COMMAND`` every
+        time, and hang there for good while that one node is frozen.
+        """
+        client = self.client
+        while client._initialize:  # (false once the map is loaded: nothing to wait for)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the cluster topology refresh did not finish in time")
+            try:
+                async with asyncio.timeout(min(REFRESH_TIMEOUT, left)):
+                    if self._set_up:
+                        await client.nodes_manager.initialize()
+                        client._initialize = False
+                    else:
+                        await client.initialize()
+                        self._set_up = True
+            except TimeoutError:
+                self._stats.slow_refreshes += 1
+
+    def fault_domain(self, key: str) -> str:
+        """The node that serves ``key``'s slot (per the client's slot map), or "" if unknown."""
+        try:
+            node = self.client.nodes_manager.get_node_from_slot(_slot(key))
+        except Exception:  # no slot map yet, or the slot is not covered right now
+            return ""
+        return node.name if node is not None else ""
+
     async def _send(self, command: str, keys: Sequence[str], args: Sequence[Arg]) -> Reply:
+        await self._refresh(self._deadline())
         body = self._script.sha if command == "EVALSHA" else self._script.source
         self._stats.round_trips += 1
         reply: Reply = await self.client.execute_command(command, body, len(keys), *keys, *args)
@@ -202,21 +242,20 @@ class ClusterStore(Store):
             )
             for index, result in zip(redo, retried, strict=True):
                 results[index] = result
-        return [
-            mapped(result, self.address, cluster=True)
-            if isinstance(result, BaseException)
-            else result
-            for result in results
-        ]
+        for index, result in enumerate(results):
+            if isinstance(result, BaseException):
+                error = mapped(result, self.address, cluster=True)
+                error.fault_domain = self.fault_domain(calls[index].keys[0])  # type: ignore[attr-defined]
+                results[index] = error
+        return results
 
     async def _send_tick(self, calls: list[Pending]) -> None:
         """Groups a tick's calls by the node that owns their slot; one pipeline per node."""
         client = self.client
         try:
             # A no-op once the slot map is loaded. Before that (or after a connection error
-            # made redis-py drop it), the whole tick waits for one load.
-            async with asyncio.timeout_at(loop_time(max(call.deadline for call in calls))):
-                await client.initialize()
+            # made redis-py drop it), the whole tick waits for one bounded load.
+            await self._refresh(max(call.deadline for call in calls))
         except Exception as exc:
             for call in calls:
                 call.resolve(exc)
