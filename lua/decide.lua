@@ -80,6 +80,19 @@ for b = 1, tonumber(ARGV[7]) do
   key_base = key_base + tonumber(v[1])
 end
 
+-- Everything a write could trip on is checked before the first write: Redis keeps the writes
+-- of a script that fails half-way, so a late error would break all or nothing.
+if not now or not weight or weight < 0 or weight % 1 ~= 0 or not slack then
+  return redis.error_reply('ERR aiolimit: bad now, weight or TTL slack')
+end
+if mode == 'acquire' and op == '' then
+  for i = 1, npairs do
+    if pairs_[i].code == 'lease' then
+      return redis.error_reply('ERR aiolimit: a lease needs an op id')
+    end
+  end
+end
+
 -- Each identifier judges by max(now, its last write): its time never runs backwards.
 local mains = {}
 local function now_for(s)
@@ -113,10 +126,10 @@ local function flush()
         hset[#hset + 1] = field
         hset[#hset + 1] = value
       end
-      redis.call('HSET', s.key, unpack(hset))
+      call_batched('HSET', s.key, nil, hset)
       local hdel = {}
       for field, _ in pairs(s.del) do hdel[#hdel + 1] = field end
-      if #hdel > 0 then redis.call('HDEL', s.key, unpack(hdel)) end
+      call_batched('HDEL', s.key, nil, hdel)
       if ttl then redis.call('PEXPIRE', s.key, ttl) end
     end
   end
