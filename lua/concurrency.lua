@@ -5,7 +5,8 @@
 -- scored by the time (µs) the lease expires. A holder that dies is released when its lease
 -- expires; live holders renew ("renew" mode) and release ("release" mode) by op id.
 -- retry_after is when enough leases expire at the latest (holders usually release sooner).
--- Acquiring needs an op id (decide.lua refuses the call before any write without one).
+-- Acquiring needs an op id (decide.lua refuses the call before any write without one). Under
+-- count_refused a refused call takes no lease: the penalty is for rate limits, not slots.
 
 -- Built on first use in a call (see prelude.lua's algorithm()).
 FACTORIES.lease = function()
@@ -20,6 +21,9 @@ FACTORIES.lease = function()
   end
 
   local leases = {
+    -- count_refused's penalty charges rate limits only: a refused call holds no slot.
+    penalty_free = true,
+
     check = function(s, pair, now, weight)
       local count = lease_live(pair, now)
       local reset = 0

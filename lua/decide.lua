@@ -19,7 +19,8 @@
 --           (charges nothing). undo credits exactly what that op charged, once, and leaves
 --           "R:..." so a late or retried acquire of the op cannot charge. refund writes "F:".
 --           Records expire after OP_RETENTION_MS.
--- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway);
+-- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway, except
+--                 algorithms marked penalty_free: a refused call takes no concurrency lease);
 --           "r<µs>" reserves: pairs that can queue (GCRA) admit a request that fits within
 --           that many µs, charging now; its delay is the pair's retry_after while allowed
 -- ARGV[7]   B, the number of identifier blocks; ARGV[8 .. 7+B] are the blocks, one string
@@ -193,7 +194,9 @@ if mode == 'acquire' then
   local reply, all = decide_all(weight)
   if all or penalty then
     for _, pair in ipairs(pairs_) do
-      pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op)
+      if all or not pair.algo.penalty_free then
+        pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op)
+      end
     end
     flush()
     if op_key and all then

@@ -6,7 +6,18 @@ reserved turns: each test pins what the caller is told and what stays stored.
 
 from __future__ import annotations
 
-from aiolimit import Concurrency, Decision, Limiter, SlidingLog
+from aiolimit import (
+    Concurrency,
+    Decision,
+    FixedWindow,
+    Limit,
+    Limiter,
+    SlidingLog,
+)
+from aiolimit.testing import ManualClock
+
+START = 1_700_000_000.0
+US = 1_000_000
 
 
 def by_limit(decision: Decision) -> dict[str, int]:
@@ -37,3 +48,42 @@ async def test_a_large_concurrency_weight_beside_a_sliding_log(store_url: str, p
         }
         assert (await limiter.try_acquire("ip:1", 5_000)).allowed
         assert not (await limiter.try_acquire("ip:1", 1)).allowed  # the log is full
+
+
+# --- item 9: count_refused -------------------------------------------------------------------
+
+
+async def test_penalty_totals_past_1e14_stay_exact(store_url: str, prefix: str) -> None:
+    """count_refused: 100 charges of 1e12 make 1e14, stored exactly; call 101 is still refused."""
+    clock = ManualClock(start=START)
+    limits = [Limit(10**12, per=10, precision=1), FixedWindow(10**12, per=10)]
+    for limit in limits:
+        async with Limiter(
+            store_url, [limit], prefix=prefix + str(limit.algorithm), clock=clock,
+            count_refused=True,
+        ) as limiter:  # fmt: skip
+            assert (await limiter.try_acquire("ip:1", 10**12)).allowed
+            for _ in range(99):
+                assert not (await limiter.try_acquire("ip:1", 10**12)).allowed
+            assert not (await limiter.try_acquire("ip:1", 1)).allowed, limit
+
+
+async def test_penalty_never_takes_a_lease(store_url: str, prefix: str) -> None:
+    """count_refused: a refused call charges the rate limits but takes no concurrency slot."""
+    clock = ManualClock(start=START)
+    limits = [Limit(10, per=10), Concurrency(1)]
+    async with Limiter(
+        store_url, limits, prefix=prefix, clock=clock, count_refused=True
+    ) as limiter:
+        first = await limiter.try_acquire("ip:1")
+        assert first.allowed
+        refused = await limiter.try_acquire("ip:1")
+        assert not refused.allowed
+        assert refused.lease is None
+        assert first.lease is not None
+        await first.lease.release()
+        third = await limiter.try_acquire("ip:1")
+        assert third.allowed, third  # the slot is free: the refused call took none
+        assert by_limit(third)[str(limits[0])] == 7  # three charged: the penalty applies
+        assert third.lease is not None
+        await third.lease.release()
