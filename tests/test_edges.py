@@ -6,13 +6,20 @@ reserved turns: each test pins what the caller is told and what stays stored.
 
 from __future__ import annotations
 
+import asyncio
+from itertools import pairwise
+
+import pytest
+
 from aiolimit import (
     Concurrency,
     Decision,
     FixedWindow,
     Limit,
     Limiter,
+    MinInterval,
     SlidingLog,
+    TokenBucket,
 )
 from aiolimit.testing import ManualClock
 
@@ -87,3 +94,41 @@ async def test_penalty_never_takes_a_lease(store_url: str, prefix: str) -> None:
         assert by_limit(third)[str(limits[0])] == 7  # three charged: the penalty applies
         assert third.lease is not None
         await third.lease.release()
+
+
+# --- item 11: a refund beside reserved turns -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "limit", [TokenBucket(1, per=1, burst=1), MinInterval(1)], ids=["TokenBucket", "MinInterval"]
+)
+async def test_a_refund_never_lets_a_newcomer_share_a_reserved_turn(
+    store_url: str, prefix: str, limit: TokenBucket | MinInterval
+) -> None:
+    """1/s burst 1: after a refund, no two admissions (reserved turns included) come < 1 s apart."""
+    clock = ManualClock(start=START)
+    admitted: list[int] = []
+    async with Limiter(store_url, [limit], prefix=prefix, clock=clock) as limiter:
+
+        async def waiter() -> None:
+            assert (await limiter.acquire("ip:1", timeout=10)).allowed
+            admitted.append(round((clock.time() - START) * US))
+
+        async def decided(count: int) -> None:
+            while limiter.statistics().decisions < count:  # noqa: ASYNC110 - a plain counter
+                await asyncio.sleep(0.001)
+
+        await waiter()  # the token: admitted at once
+        reserved = asyncio.create_task(waiter())  # reserves the turn at 1 s
+        await decided(2)
+        await limiter.refund("ip:1")
+        newcomer = asyncio.create_task(waiter())
+        await decided(3)
+        for _ in range(40):
+            clock.advance(0.1)
+            for _ in range(20):
+                await asyncio.sleep(0)
+        await asyncio.gather(reserved, newcomer)
+    admitted.sort()
+    assert len(admitted) == 3
+    assert all(later - earlier >= US for earlier, later in pairwise(admitted)), admitted
