@@ -5,6 +5,8 @@
 -- scored by the time (µs) the lease expires. A holder that dies is released when its lease
 -- expires; live holders renew ("renew" mode) and release ("release" mode) by op id.
 -- retry_after is when enough leases expire at the latest (holders usually release sooner).
+-- Acquiring needs an op id (decide.lua refuses the call before any write without one). Under
+-- count_refused a refused call takes no lease: the penalty is for rate limits, not slots.
 
 -- Built on first use in a call (see prelude.lua's algorithm()).
 FACTORIES.lease = function()
@@ -19,6 +21,9 @@ FACTORIES.lease = function()
   end
 
   local leases = {
+    -- count_refused's penalty charges rate limits only: a refused call holds no slot.
+    penalty_free = true,
+
     check = function(s, pair, now, weight)
       local count = lease_live(pair, now)
       local reset = 0
@@ -36,15 +41,14 @@ FACTORIES.lease = function()
     end,
 
     charge = function(s, pair, now, weight, op)
-      if op == '' then error('aiolimit: a lease needs an op id') end
       redis.call('ZREMRANGEBYSCORE', pair.aux, '-inf', fmt(now))
-      local expires = now + pair.period
+      local expires = fmt(now + pair.period)
       local args = {}
       for _, member in ipairs(lease_members(op, weight)) do
         args[#args + 1] = expires
         args[#args + 1] = member
       end
-      redis.call('ZADD', pair.aux, unpack(args))
+      call_batched('ZADD', pair.aux, nil, args)
       want_ttl(s, math.ceil(pair.period / 1000) + 1)
       local ttl = redis.call('PTTL', pair.aux)
       local want = math.ceil(pair.period / 1000) + 1 + tonumber(ARGV[4])
@@ -54,22 +58,22 @@ FACTORIES.lease = function()
     -- A plain refund cannot tell whose lease to drop: only undo and release remove leases.
     refund = function(s, pair, now, weight, at, op)
       if op ~= '' and at then
-        redis.call('ZREM', pair.aux, unpack(lease_members(op, weight)))
+        call_batched('ZREM', pair.aux, nil, lease_members(op, weight))
       end
     end,
 
     release = function(s, pair, now, weight, op)
-      redis.call('ZREM', pair.aux, unpack(lease_members(op, weight)))
+      call_batched('ZREM', pair.aux, nil, lease_members(op, weight))
     end,
 
     renew = function(s, pair, now, weight, op)
-      local expires = now + pair.period
-      local args = {'XX'}
+      local expires = fmt(now + pair.period)
+      local args = {}
       for _, member in ipairs(lease_members(op, weight)) do
         args[#args + 1] = expires
         args[#args + 1] = member
       end
-      redis.call('ZADD', pair.aux, unpack(args))
+      call_batched('ZADD', pair.aux, 'XX', args)
       local want = math.ceil(pair.period / 1000) + 1 + tonumber(ARGV[4])
       if redis.call('PTTL', pair.aux) < want then redis.call('PEXPIRE', pair.aux, want) end
       want_ttl(s, math.ceil(pair.period / 1000) + 1)

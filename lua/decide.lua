@@ -33,7 +33,8 @@
 --           the horizon. So the field holds what the client has not settled, never more than
 --           its ops in flight and undos pending: it does not grow with the request rate. A
 --           client field idle for OP_RETENTION_MS is dropped.
--- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway);
+-- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway, except
+--                 algorithms marked penalty_free: a refused call takes no concurrency lease);
 --           "r<µs>" reserves: pairs that can queue (GCRA) admit a request that fits within
 --           that many µs, charging now; its delay is the pair's retry_after while allowed
 -- ARGV[7]   B, the number of identifier blocks; ARGV[8 .. 7+B] are the blocks, one string
@@ -94,6 +95,19 @@ for b = 1, tonumber(ARGV[7]) do
   key_base = key_base + tonumber(v[1])
 end
 
+-- Everything a write could trip on is checked before the first write: Redis keeps the writes
+-- of a script that fails half-way, so a late error would break all or nothing.
+if not now or not weight or weight < 0 or weight % 1 ~= 0 or not slack then
+  return redis.error_reply('ERR aiolimit: bad now, weight or TTL slack')
+end
+if mode == 'acquire' and op == '' then
+  for i = 1, npairs do
+    if pairs_[i].code == 'lease' then
+      return redis.error_reply('ERR aiolimit: a lease needs an op id')
+    end
+  end
+end
+
 -- Each identifier judges by max(now, its last write): its time never runs backwards.
 local mains = {}
 local function now_for(s)
@@ -130,10 +144,10 @@ local function flush()
         hset[#hset + 1] = field
         hset[#hset + 1] = value
       end
-      redis.call('HSET', s.key, unpack(hset))
+      call_batched('HSET', s.key, nil, hset)
       local hdel = {}
       for field, _ in pairs(s.del) do hdel[#hdel + 1] = field end
-      if #hdel > 0 then redis.call('HDEL', s.key, unpack(hdel)) end
+      call_batched('HDEL', s.key, nil, hdel)
       if ttl then redis.call('PEXPIRE', s.key, ttl) end
     end
   end
@@ -268,7 +282,9 @@ if mode == 'acquire' then
   local reply, all = decide_all(weight)
   if all or penalty then
     for _, pair in ipairs(pairs_) do
-      pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op)
+      if all or not pair.algo.penalty_free then
+        pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op, all and max_wait > 0)
+      end
     end
     if op_client then
       for _, s in ipairs(mains) do op_record(s, now_for(s)) end

@@ -34,6 +34,21 @@ local function fmt(n)
   return string.format('%d', n)
 end
 
+-- Lua 5.1's unpack fails past ~8,000 values ("too many results to unpack"), so long argument
+-- lists go out in slices of BATCH values (even, so ZADD's score/member pairs stay whole).
+-- `option` (or nil) is repeated before each slice, e.g. ZADD's "XX".
+local BATCH = 1000
+local function call_batched(command, key, option, values)
+  for i = 1, #values, BATCH do
+    local last = math.min(i + BATCH - 1, #values)
+    if option then
+      redis.call(command, key, option, unpack(values, i, last))
+    else
+      redis.call(command, key, unpack(values, i, last))
+    end
+  end
+end
+
 -- Loads a main key once per script call. Algorithms read `fields` and stage writes in `set`
 -- and `del`; decide.lua flushes them with one HSET, one HDEL and one PEXPIRE per key.
 local loaded = {}

@@ -12,7 +12,8 @@
 -- buckets that just left the window, and charges by rewriting the last entry or appending
 -- one; the whole field is rebuilt only when buckets leave the window, on refusals and on
 -- refunds. Cost and memory follow the limits, not their buckets. The key's TTL covers the
--- newest bucket's life. Indexes and weights stay far below 1e14, so Lua prints them exactly.
+-- newest bucket's life. Every number is written with fmt: under count_refused totals pass 1e14,
+-- which Lua's own number-to-text would print as 1e+14.
 
 -- Built on first use in a call (see prelude.lua's algorithm()).
 FACTORIES.sw = function()
@@ -87,13 +88,13 @@ FACTORIES.sw = function()
     for k = 1, #i do
       if i[k] > cur - n and i[k] <= cur and c[k] > 0 then
         if not base then base = i[k] end
-        parts[#parts + 1] = (i[k] - base) .. ':' .. c[k]
+        parts[#parts + 1] = fmt(i[k] - base) .. ':' .. fmt(c[k])
         total = total + c[k]
       end
     end
     if base then
       b.base, b.total, b.rest = base, total, table.concat(parts, ',')
-      stage_set(s, b.name, base .. ';' .. total .. ';' .. b.rest)
+      stage_set(s, b.name, fmt(base) .. ';' .. fmt(total) .. ';' .. b.rest)
     else
       b.base, b.total, b.rest = nil, 0, nil
       stage_del(s, b.name)
@@ -144,17 +145,17 @@ FACTORIES.sw = function()
       else
         -- The common case, in O(1) string work: add to the newest bucket or append one.
         if not b.rest then
-          b.base, b.rest = cur, '0:' .. weight
+          b.base, b.rest = cur, '0:' .. fmt(weight)
         else
           local offset, last = string.match(b.rest, '(%d+):(%d+)$')
           if b.base + tonumber(offset) == cur then
-            b.rest = string.sub(b.rest, 1, #b.rest - #last) .. (tonumber(last) + weight)
+            b.rest = string.sub(b.rest, 1, #b.rest - #last) .. fmt(tonumber(last) + weight)
           else
-            b.rest = b.rest .. ',' .. (cur - b.base) .. ':' .. weight
+            b.rest = b.rest .. ',' .. fmt(cur - b.base) .. ':' .. fmt(weight)
           end
         end
         b.total = b.total + weight
-        stage_set(s, b.name, b.base .. ';' .. b.total .. ';' .. b.rest)
+        stage_set(s, b.name, fmt(b.base) .. ';' .. fmt(b.total) .. ';' .. b.rest)
       end
       want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
     end,

@@ -1,0 +1,134 @@
+"""Exactness and resilience at the edges of the scripts, on real Redis and memory://.
+
+Large weights and argument lists, numbers past 1e14, penalties beside leases, refunds beside
+reserved turns: each test pins what the caller is told and what stays stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from itertools import pairwise
+
+import pytest
+
+from aiolimit import (
+    Concurrency,
+    Decision,
+    FixedWindow,
+    Limit,
+    Limiter,
+    MinInterval,
+    SlidingLog,
+    TokenBucket,
+)
+from aiolimit.testing import ManualClock
+
+START = 1_700_000_000.0
+US = 1_000_000
+
+
+def by_limit(decision: Decision) -> dict[str, int]:
+    """remaining per limit (its str) of a one-identifier decision."""
+    return {str(pair.limit): pair.remaining for pair in decision.details}
+
+
+# --- item 8: large argument lists, no error after a write ------------------------------------
+
+
+async def test_a_large_concurrency_weight_beside_a_sliding_log(store_url: str, prefix: str) -> None:
+    """Weight 5,000 takes 5,000 leases and logs 5,000 units; renew and release handle them all."""
+    limits = [SlidingLog(10_000, per=60), Concurrency(10_000)]
+    async with Limiter(store_url, limits, prefix=prefix) as limiter:
+        decision = await limiter.try_acquire("ip:1", 5_000)
+        assert decision.allowed
+        assert by_limit(decision) == {str(limits[0]): 5_000, str(limits[1]): 5_000}
+        assert decision.lease is not None
+        await decision.lease.renew()
+        assert by_limit(await limiter.peek("ip:1", 1)) == {
+            str(limits[0]): 4_999,
+            str(limits[1]): 4_999,
+        }
+        await decision.lease.release()
+        assert by_limit(await limiter.peek("ip:1", 1)) == {
+            str(limits[0]): 4_999,
+            str(limits[1]): 9_999,
+        }
+        assert (await limiter.try_acquire("ip:1", 5_000)).allowed
+        assert not (await limiter.try_acquire("ip:1", 1)).allowed  # the log is full
+
+
+# --- item 9: count_refused -------------------------------------------------------------------
+
+
+async def test_penalty_totals_past_1e14_stay_exact(store_url: str, prefix: str) -> None:
+    """count_refused: 100 charges of 1e12 make 1e14, stored exactly; call 101 is still refused."""
+    clock = ManualClock(start=START)
+    limits = [Limit(10**12, per=10, precision=1), FixedWindow(10**12, per=10)]
+    for limit in limits:
+        async with Limiter(
+            store_url, [limit], prefix=prefix + str(limit.algorithm), clock=clock,
+            count_refused=True,
+        ) as limiter:  # fmt: skip
+            assert (await limiter.try_acquire("ip:1", 10**12)).allowed
+            for _ in range(99):
+                assert not (await limiter.try_acquire("ip:1", 10**12)).allowed
+            assert not (await limiter.try_acquire("ip:1", 1)).allowed, limit
+
+
+async def test_penalty_never_takes_a_lease(store_url: str, prefix: str) -> None:
+    """count_refused: a refused call charges the rate limits but takes no concurrency slot."""
+    clock = ManualClock(start=START)
+    limits = [Limit(10, per=10), Concurrency(1)]
+    async with Limiter(
+        store_url, limits, prefix=prefix, clock=clock, count_refused=True
+    ) as limiter:
+        first = await limiter.try_acquire("ip:1")
+        assert first.allowed
+        refused = await limiter.try_acquire("ip:1")
+        assert not refused.allowed
+        assert refused.lease is None
+        assert first.lease is not None
+        await first.lease.release()
+        third = await limiter.try_acquire("ip:1")
+        assert third.allowed, third  # the slot is free: the refused call took none
+        assert by_limit(third)[str(limits[0])] == 7  # three charged: the penalty applies
+        assert third.lease is not None
+        await third.lease.release()
+
+
+# --- item 11: a refund beside reserved turns -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "limit", [TokenBucket(1, per=1, burst=1), MinInterval(1)], ids=["TokenBucket", "MinInterval"]
+)
+async def test_a_refund_never_lets_a_newcomer_share_a_reserved_turn(
+    store_url: str, prefix: str, limit: TokenBucket | MinInterval
+) -> None:
+    """1/s burst 1: after a refund, no two admissions (reserved turns included) come < 1 s apart."""
+    clock = ManualClock(start=START)
+    admitted: list[int] = []
+    async with Limiter(store_url, [limit], prefix=prefix, clock=clock) as limiter:
+
+        async def waiter() -> None:
+            assert (await limiter.acquire("ip:1", timeout=10)).allowed
+            admitted.append(round((clock.time() - START) * US))
+
+        async def decided(count: int) -> None:
+            while limiter.statistics().decisions < count:  # noqa: ASYNC110 - a plain counter
+                await asyncio.sleep(0.001)
+
+        await waiter()  # the token: admitted at once
+        reserved = asyncio.create_task(waiter())  # reserves the turn at 1 s
+        await decided(2)
+        await limiter.refund("ip:1")
+        newcomer = asyncio.create_task(waiter())
+        await decided(3)
+        for _ in range(40):
+            clock.advance(0.1)
+            for _ in range(20):
+                await asyncio.sleep(0)
+        await asyncio.gather(reserved, newcomer)
+    admitted.sort()
+    assert len(admitted) == 3
+    assert all(later - earlier >= US for earlier, later in pairwise(admitted)), admitted
