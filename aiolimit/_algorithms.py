@@ -51,12 +51,12 @@ class FixedWindow(BaseLimit):
 
 @dataclass(frozen=True, slots=True)
 class SlidingLog(BaseLimit):
-    """At most ``amount`` in any ``per`` seconds, exactly: every admitted unit is logged.
+    """At most ``amount`` in any ``per`` seconds, exactly: every admitted request is logged.
 
-    A request of weight w logs w entries (so memory per identifier is at most ``amount``
-    entries of a ZSET, and counting stays O(log n)); entries older than ``per`` are dropped on
-    every write. The most exact algorithm, and the most memory: prefer ``Limit`` with a fine
-    precision for large amounts.
+    An admitted request is one ZSET entry whatever its weight, holding the running total, so
+    memory per identifier is at most ``amount`` entries and every call costs O(log n); entries
+    older than ``per`` are dropped as calls come. The most exact algorithm, and the most
+    memory: prefer ``Limit`` with a fine precision for large amounts.
     """
 
     amount: int
@@ -69,7 +69,7 @@ class SlidingLog(BaseLimit):
         _check_amount("SlidingLog", self.amount)
         if self.amount > 1_000_000:
             raise ConfigurationError(
-                f"SlidingLog stores one entry per admitted unit: amount must be <= 1000000, "
+                f"SlidingLog stores up to one entry per unit: amount must be <= 1000000, "
                 f"got {self.amount} (use Limit with a precision for large amounts)"
             )
         per = _check_seconds("SlidingLog", "per", self.per)

@@ -25,6 +25,9 @@ _PARSE = re.compile(
 )
 MAX_PERIOD = MAX_SECONDS  # ten years
 MIN_PERIOD = 0.001
+# A sliding window's buckets per window. Each call searches them in O(log n), but its field
+# (~10-25 bytes a bucket) is still read and written whole: this keeps one call well under 1 ms.
+MAX_BUCKETS = 10_000
 
 
 def _seconds_text(seconds: float) -> str:
@@ -92,9 +95,6 @@ class BaseLimit:
         return None
 
 
-WireLimit = BaseLimit
-
-
 @dataclass(frozen=True, slots=True)
 class Limit(BaseLimit):
     """At most ``amount`` units per ``per`` seconds: a sliding window counter.
@@ -102,7 +102,8 @@ class Limit(BaseLimit):
     The window is made of buckets ``precision`` seconds wide (default: ``per``, which makes it
     a calendar-aligned fixed window). ``Limit(240, per=3600, precision=60)`` counts the last 60
     one-minute buckets, so a burst at the end of one hour cannot be repeated at the start of the
-    next. Finer precision is more exact and stores more buckets.
+    next. Finer precision is more exact and stores more buckets: at most ``MAX_BUCKETS``
+    (10,000) per window, so one call's cost stays bounded.
     """
 
     amount: int
@@ -118,6 +119,13 @@ class Limit(BaseLimit):
         precision = per
         if self.precision is not None:
             precision = _check_seconds("Limit", "precision", self.precision, upper=per)
+        buckets = -(-_us(per) // _us(precision))  # ceil, as lua/sliding_window.lua counts them
+        if buckets > MAX_BUCKETS:
+            raise ConfigurationError(
+                f"Limit precision {precision:g}s makes {buckets} buckets of per={per:g}s; at most "
+                f"{MAX_BUCKETS} are allowed (precision >= per / {MAX_BUCKETS}), so that one call's "
+                "cost stays bounded (use SlidingLog for an exact window)"
+            )
         object.__setattr__(self, "per", per)
         object.__setattr__(self, "precision", precision)
         object.__setattr__(self, "_wire", ("sw", self.amount, _us(per), _us(precision)))

@@ -283,7 +283,8 @@ if mode == 'acquire' then
   if all or penalty then
     for _, pair in ipairs(pairs_) do
       if all or not pair.algo.penalty_free then
-        pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op, all and max_wait > 0)
+        pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op, all and max_wait > 0,
+                         not all)
       end
     end
     if op_client then

@@ -7,13 +7,28 @@
 -- one included. With p == P that is a calendar-aligned fixed window. A non-dividing p makes the
 -- window slightly longer than P, never shorter: it errs on the side of refusing.
 -- Storage: ONE main HASH field per limit, "w<P>/<p>" (fixed window: "f<P>/<P>"), holding
--- "<base index>;<total weight>;<offset>:<weight>,<offset>:<weight>..." for the non-empty
--- buckets, offsets from the base, ascending. A call usually reads only the total and the
--- buckets that just left the window, and charges by rewriting the last entry or appending
--- one; the whole field is rebuilt only when buckets leave the window, on refusals and on
--- refunds. Cost and memory follow the limits, not their buckets. The key's TTL covers the
--- newest bucket's life. Every number is written with fmt: under count_refused totals pass 1e14,
--- which Lua's own number-to-text would print as 1e+14.
+--   "<base>|<c0>|<offset>:<c>,<offset>:<c>..."
+-- one record per non-empty bucket, ascending: the bucket's index less base, and c, the running
+-- total charged up to and including that bucket (so c grows along the records); c0 is the
+-- running total before the first record. The weight in the window is
+--   c(newest record) - c(newest record that left the window, else c0)
+-- and every question a call asks is a binary search on the string, by offset or by c: a
+-- record starts at 1 or after a ",", so halving a byte range and finding the next "," lands on
+-- a record (string.find, C speed; a record is under 64 bytes). The newest record is found
+-- from the end the same way. So a call does O(log n) Lua work whatever the number of buckets:
+--   check   the count (one search); a refusal's retry_after (a second search, by c: when the
+--           bucket holding unit number count + weight - amount leaves);
+--   charge  drops the records that left (one search, one string.sub) and rewrites the newest
+--           record or appends one;
+--   refund  newest first: one search by c finds the record that keeps the new total, the
+--           rest of the string is cut;
+--   undo    (`at` given: only the bucket of that time is credited) lowers c of the k records
+--           after it, O(k): the limiter undoes within a round trip, so k is a few buckets.
+-- Bytes still move in proportion to the buckets (HGETALL, HSET and string.sub copy the field,
+-- ~10-25 bytes a bucket), at memory speed; aiolimit/_limits.py caps n (MAX_BUCKETS) so that
+-- stays well under a millisecond. Memory: at most n records; the key's TTL covers the newest
+-- bucket's life. Every number is written with fmt: under count_refused totals pass 1e14, which
+-- Lua's own number-to-text would print as 1e+14.
 
 -- Built on first use in a call (see prelude.lua's algorithm()).
 FACTORIES.sw = function()
@@ -21,8 +36,65 @@ FACTORIES.sw = function()
     return (pair.code == 'fw' and 'f' or 'w') .. pair.period_s .. '/' .. pair.param_s
   end
 
-  -- The limit's stored field, split into base, total and entries; entries are parsed only as
-  -- far as a call needs them. Cached per call, shared by the pairs of that limit.
+  -- The record starting at byte `pos`: its offset and running total.
+  local function rec(rest, pos)
+    local offset, c = string.match(rest, '^(%d+):(%d+)', pos)
+    return tonumber(offset), tonumber(c)
+  end
+
+  -- The start of the record after the one starting at `pos`, or nil.
+  local function next_rec(rest, pos)
+    local comma = string.find(rest, ',', pos, true)
+    return comma and comma + 1
+  end
+
+  -- The start of the last record whose offset (which == 1) or running total (which == 2) is
+  -- at most `target`, or nil. Binary search on bytes: O(log #rest) finds of a ",".
+  local function last_at_most(rest, which, target)
+    if select(which, rec(rest, 1)) > target then return nil end
+    local lo, hi = 1, #rest + 1  -- lo: a record within target; none at or after hi is
+    while true do
+      local mid = math.floor((lo + hi) / 2)
+      if mid <= lo then mid = lo + 1 end
+      local start = nil
+      if mid < hi then
+        local comma = string.find(rest, ',', mid - 1, true)
+        if comma and comma + 1 < hi then start = comma + 1 end
+      end
+      if start then
+        if select(which, rec(rest, start)) <= target then lo = start else hi = start end
+      elseif mid == lo + 1 then
+        return lo
+      else
+        hi = mid
+      end
+    end
+  end
+
+  -- The start of the last record (records are under 64 bytes).
+  local function last_rec(rest)
+    local start = 1
+    local comma = string.find(rest, ',', math.max(1, #rest - 64), true)
+    while comma do
+      start = comma + 1
+      comma = string.find(rest, ',', start, true)
+    end
+    return start
+  end
+
+  -- Sets the newest record's fields of b from b.rest (nil: the field is empty).
+  local function sw_tail(b)
+    if b.rest then
+      b.last = last_rec(b.rest)
+      local offset, c = rec(b.rest, b.last)
+      b.newest, b.total = b.base + offset, c
+    else
+      b.base, b.c0, b.last, b.newest, b.total = nil, 0, nil, nil, 0
+    end
+  end
+
+  -- The limit's stored field, parsed only as far as its ends. Cached per call, shared by the
+  -- pairs of that limit.
   local function sw_state(s, pair)
     local name = sw_name(pair)
     local cache = s.sw
@@ -32,17 +104,24 @@ FACTORIES.sw = function()
     end
     local b = cache[name]
     if not b then
-      b = {name = name, total = 0}
+      b = {name = name}
       local raw = s.fields[name]
       if raw then
-        local base, total, rest = string.match(raw, '^(%d+);(%d+);(.+)$')
-        if base then
-          b.base, b.total, b.rest = tonumber(base), tonumber(total), rest
-        end
+        local base, c0, rest = string.match(raw, '^(%d+)|(%d+)|(.+)$')
+        if base then b.base, b.c0, b.rest = tonumber(base), tonumber(c0), rest end
       end
+      sw_tail(b)
       cache[name] = b
     end
     return b
+  end
+
+  local function sw_store(s, b)
+    if b.rest then
+      stage_set(s, b.name, fmt(b.base) .. '|' .. fmt(b.c0) .. '|' .. b.rest)
+    else
+      stage_del(s, b.name)
+    end
   end
 
   local function sw_geometry(pair, now)
@@ -51,61 +130,49 @@ FACTORIES.sw = function()
     return p, n, math.floor(now / p)
   end
 
-  -- Weight in the buckets at the front that left the window (index <= lo), and how many.
-  local function sw_expired(b, lo)
-    local sum, count = 0, 0
-    if b.rest and b.base <= lo then
-      for offset, weight in string.gmatch(b.rest, '(%d+):(%d+)') do
-        if b.base + tonumber(offset) > lo then break end
-        sum = sum + tonumber(weight)
-        count = count + 1
-      end
-    end
-    return sum, count
+  -- Weight in the buckets after index lo, the running total before them, and the start of
+  -- the newest record at or before lo (nil if none).
+  local function sw_count(b, lo)
+    if not b.rest or b.newest <= lo then return 0, b.total, nil end
+    local at = last_at_most(b.rest, 1, lo - b.base)
+    local before = b.c0
+    if at then before = select(2, rec(b.rest, at)) end
+    return b.total - before, before, at
   end
 
-  -- Every bucket as two ascending arrays (the slow path: refusals, refunds, window moves).
-  local function sw_parse(b)
-    local i, c = {}, {}
-    if b.rest then
-      for offset, weight in string.gmatch(b.rest, '(%d+):(%d+)') do
-        i[#i + 1] = b.base + tonumber(offset)
-        c[#c + 1] = tonumber(weight)
-      end
-    end
-    return i, c
-  end
-
-  -- The newest stored bucket's index, or nil.
-  local function sw_newest(b)
-    if not b.rest then return nil end
-    return b.base + tonumber(string.match(b.rest, '(%d+):%d+$'))
-  end
-
-  -- Rewrites the field from arrays, keeping only the non-empty buckets inside the window.
-  local function sw_rebuild(s, b, i, c, cur, n)
-    local parts, base, total = {}, nil, 0
-    for k = 1, #i do
-      if i[k] > cur - n and i[k] <= cur and c[k] > 0 then
-        if not base then base = i[k] end
-        parts[#parts + 1] = fmt(i[k] - base) .. ':' .. fmt(c[k])
-        total = total + c[k]
-      end
-    end
-    if base then
-      b.base, b.total, b.rest = base, total, table.concat(parts, ',')
-      stage_set(s, b.name, fmt(base) .. ';' .. fmt(total) .. ';' .. b.rest)
+  -- Drops the records of buckets at or before index lo (they left the window).
+  local function sw_trim(b, lo)
+    if not b.rest or b.base + rec(b.rest, 1) > lo then return end
+    if b.newest <= lo then
+      b.rest = nil
     else
-      b.base, b.total, b.rest = nil, 0, nil
-      stage_del(s, b.name)
+      local at = last_at_most(b.rest, 1, lo - b.base)
+      local start = next_rec(b.rest, at)
+      b.c0 = select(2, rec(b.rest, at))
+      b.rest = string.sub(b.rest, start)
     end
+    sw_tail(b)
+  end
+
+  -- The record starting at `start` is cut to running total `c` (dropped if that leaves it
+  -- empty, i.e. c equals the previous record's); every record after it goes.
+  local function sw_cut(b, start, c, previous)
+    local offset = rec(b.rest, start)
+    if c > previous then
+      b.rest = string.sub(b.rest, 1, start - 1) .. fmt(offset) .. ':' .. fmt(c)
+    elseif start > 1 then
+      b.rest = string.sub(b.rest, 1, start - 2)
+    else
+      b.rest = nil
+    end
+    sw_tail(b)
   end
 
   return {
     check = function(s, pair, now, weight)
       local b = sw_state(s, pair)
       local p, n, cur = sw_geometry(pair, now)
-      local count = b.total - sw_expired(b, cur - n)
+      local count, before = sw_count(b, cur - n)
       if count + weight <= pair.amount then
         -- After a charge the current bucket is the newest; with weight 0 (the state after a
         -- refund) it is the newest non-empty one, and an empty window is full already.
@@ -113,50 +180,32 @@ FACTORIES.sw = function()
         if weight > 0 then
           reset = (cur + n) * p - now
         elseif count > 0 then
-          reset = (sw_newest(b) + n) * p - now
+          reset = (b.newest + n) * p - now
         end
         return true, pair.amount - count - weight, 0, reset
       end
-      -- Refused: wait until enough of the oldest buckets leave the window.
-      local i, c = sw_parse(b)
-      local retry, freed = 0, 0
-      for k = 1, #i do
-        if i[k] > cur - n then
-          freed = freed + c[k]
-          if count - freed + weight <= pair.amount then
-            retry = (i[k] + n) * p - now
-            break
-          end
-        end
-      end
+      -- Refused: wait until the bucket holding unit number count + weight - amount leaves.
+      local at = last_at_most(b.rest, 2, before + count + weight - pair.amount - 1)
+      local offset = rec(b.rest, at and next_rec(b.rest, at) or 1)
       local remaining = pair.amount - count
       if remaining < 0 then remaining = 0 end
-      return false, remaining, retry, (sw_newest(b) + n) * p - now
+      return false, remaining, (b.base + offset + n) * p - now, (b.newest + n) * p - now
     end,
 
     charge = function(s, pair, now, weight)
       local b = sw_state(s, pair)
       local p, n, cur = sw_geometry(pair, now)
-      local _, expired = sw_expired(b, cur - n)
-      if expired > 0 then
-        local i, c = sw_parse(b)
-        if i[#i] == cur then c[#c] = c[#c] + weight else i[#i + 1] = cur; c[#c + 1] = weight end
-        sw_rebuild(s, b, i, c, cur, n)
+      sw_trim(b, cur - n)
+      if not b.rest then
+        b.base, b.c0, b.rest = cur, 0, '0:' .. fmt(weight)
+      elseif b.newest == cur then
+        b.rest = string.sub(b.rest, 1, b.last - 1) .. fmt(cur - b.base) .. ':'
+                 .. fmt(b.total + weight)
       else
-        -- The common case, in O(1) string work: add to the newest bucket or append one.
-        if not b.rest then
-          b.base, b.rest = cur, '0:' .. fmt(weight)
-        else
-          local offset, last = string.match(b.rest, '(%d+):(%d+)$')
-          if b.base + tonumber(offset) == cur then
-            b.rest = string.sub(b.rest, 1, #b.rest - #last) .. fmt(tonumber(last) + weight)
-          else
-            b.rest = b.rest .. ',' .. fmt(cur - b.base) .. ':' .. fmt(weight)
-          end
-        end
-        b.total = b.total + weight
-        stage_set(s, b.name, fmt(b.base) .. ';' .. fmt(b.total) .. ';' .. b.rest)
+        b.rest = b.rest .. ',' .. fmt(cur - b.base) .. ':' .. fmt(b.total + weight)
       end
+      sw_tail(b)
+      sw_store(s, b)
       want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
     end,
 
@@ -165,20 +214,45 @@ FACTORIES.sw = function()
     refund = function(s, pair, now, weight, at)
       local b = sw_state(s, pair)
       local p, n, cur = sw_geometry(pair, now)
-      local i, c = sw_parse(b)
-      local only = at and math.floor(at / p)
-      local left = weight
-      for k = #i, 1, -1 do
-        if left > 0 and i[k] > cur - n and i[k] <= cur and (not only or i[k] == only) then
-          local take = math.min(c[k], left)
-          left = left - take
-          c[k] = c[k] - take
+      local count = sw_count(b, cur - n)
+      if count == 0 then return end
+      sw_trim(b, cur - n)  -- every record left is in the window now
+      if at then
+        local offset = math.floor(at / p) - b.base
+        local start = offset >= 0 and last_at_most(b.rest, 1, offset)
+        if not start or rec(b.rest, start) ~= offset then return end
+        local previous = b.c0
+        local prior = last_at_most(b.rest, 1, offset - 1)
+        if prior then previous = select(2, rec(b.rest, prior)) end
+        local c = select(2, rec(b.rest, start))
+        local take = math.min(weight, c - previous)
+        local tail = ''
+        local after = next_rec(b.rest, start)
+        if after then
+          tail = ',' .. string.gsub(string.sub(b.rest, after), '(%d+):(%d+)', function(o, later)
+            return o .. ':' .. fmt(tonumber(later) - take)
+          end)
         end
+        if c - take > previous then
+          b.rest = string.sub(b.rest, 1, start - 1) .. fmt(offset) .. ':' .. fmt(c - take) .. tail
+        elseif start > 1 then
+          b.rest = string.sub(b.rest, 1, start - 2) .. tail
+        elseif after then
+          b.rest = string.sub(tail, 2)
+        else
+          b.rest = nil
+        end
+        sw_tail(b)
+      else
+        local target = b.total - weight  -- the running total once refunded
+        if target < b.c0 then target = b.c0 end
+        local keep = last_at_most(b.rest, 2, target)  -- the newest record kept whole
+        local previous = b.c0
+        if keep then previous = select(2, rec(b.rest, keep)) end
+        sw_cut(b, keep and next_rec(b.rest, keep) or 1, target, previous)
       end
-      if left < weight then
-        sw_rebuild(s, b, i, c, cur, n)
-        want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
-      end
+      sw_store(s, b)
+      want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
     end,
   }
 end

@@ -152,14 +152,15 @@ def admitted_total(results: Sequence[tuple[str, Any]]) -> int:
 
 def bucket_counts(fields: dict[str, str]) -> dict[str, int]:
     """Expands the sliding/fixed window fields of a main key (lua/sliding_window.lua stores
-    one field per limit, "<base>;<total>;<offset>:<weight>,...") into one entry per bucket."""
+    one field per limit, "<base>|<c0>|<offset>:<running total>,...") into one entry per bucket."""
     counts = {}
     for name, value in fields.items():
         if name[:1] not in ("w", "f"):
             continue
-        base, _, rest = value.partition(";")
-        rest = rest.partition(";")[2]  # "<base>;<total>;<offset>:<weight>,..."
+        base, previous, rest = value.split("|")
+        total = int(previous)
         for item in filter(None, rest.split(",")):
-            offset, _, weight = item.partition(":")
-            counts[f"{name}:{int(base) + int(offset)}"] = int(weight)
+            offset, _, running = item.partition(":")
+            counts[f"{name}:{int(base) + int(offset)}"] = int(running) - total
+            total = int(running)
     return counts

@@ -7,12 +7,15 @@ reserved turns: each test pins what the caller is told and what stays stored.
 from __future__ import annotations
 
 import asyncio
+import time
 from itertools import pairwise
+from typing import Any
 
 import pytest
 
 from aiolimit import (
     Concurrency,
+    ConfigurationError,
     Decision,
     FixedWindow,
     Limit,
@@ -21,6 +24,7 @@ from aiolimit import (
     SlidingLog,
     TokenBucket,
 )
+from aiolimit._keys import aux_key, main_key
 from aiolimit.testing import ManualClock
 
 START = 1_700_000_000.0
@@ -132,3 +136,102 @@ async def test_a_refund_never_lets_a_newcomer_share_a_reserved_turn(
     admitted.sort()
     assert len(admitted) == 3
     assert all(later - earlier >= US for earlier, later in pairwise(admitted)), admitted
+
+
+# --- item 7: bounded cost, exact all the same -------------------------------------------------
+
+
+async def _run_script(
+    limiter: Limiter, prefix: str, limit: Any, mode: str, now_us: int, weight: int, op: str
+) -> list[int]:
+    """One raw call of lua/decide.lua for identifier "ip:1" under ``limit`` alone."""
+    main = main_key(prefix, "ip:1")
+    keys = [main]
+    aux = 0
+    if getattr(limit, "aux_suffix", None):
+        keys.append(aux_key(prefix, "ip:1", limit.aux_suffix))
+        aux = 2
+    block = ",".join(map(str, (len(keys), 1, aux, *limit.wire)))
+    reply: list[int] = await limiter.store.run(
+        [*keys, f"{main}:op:{op}"], [mode, now_us, weight, 0, op, "", 1, block]
+    )
+    return reply
+
+
+@pytest.mark.parametrize(
+    "limit", [SlidingLog(10, per=10), Limit(10, per=10, precision=1)], ids=["log", "window"]
+)
+async def test_undo_credits_exactly_the_op_under_later_charges(
+    store_url: str, prefix: str, limit: Any
+) -> None:
+    """Undoing an op charged before others credits its own time: later charges keep theirs."""
+    start_us = round(START * US)
+    clock = ManualClock(start=START + 1)
+    async with Limiter(store_url, [limit], prefix=prefix, clock=clock) as limiter:
+        assert (await _run_script(limiter, prefix, limit, "acquire", start_us, 3, "op1"))[0] == 1
+        assert (await limiter.try_acquire("ip:1", 2)).allowed  # at 1 s
+        clock.advance(1)
+        assert (await limiter.try_acquire("ip:1", 1)).allowed  # at 2 s
+        clock.advance(1)
+        undone = await _run_script(limiter, prefix, limit, "undo", start_us + 3 * US, 3, "op1")
+        assert undone[1] == 0  # applied, not a replay
+        # 3 left in the window: 8 more fit once the 2 charged at 1 s leave, at 11 s
+        peek = await limiter.peek("ip:1", 8)
+        assert (peek.allowed, peek.remaining, round(peek.retry_after * US)) == (False, 7, 8 * US)
+        assert (await limiter.peek("ip:1", 7)).allowed
+        clock.advance(8)  # 11 s: only the unit charged at 2 s is left
+        assert (await limiter.try_acquire("ip:1", 9)).allowed
+        assert not (await limiter.peek("ip:1", 1)).allowed
+
+
+async def test_a_sliding_log_weight_of_a_million_costs_one_entry(
+    store_url: str, prefix: str
+) -> None:
+    """SlidingLog weight 10**6 is one entry: charged and refunded in well under a second."""
+    clock = ManualClock(start=START)
+    async with Limiter(
+        store_url, [SlidingLog(10**6, per=3600)], prefix=prefix, clock=clock
+    ) as limiter:
+        await limiter.peek("ip:1")  # connected, script loaded
+        started = time.perf_counter()
+        assert (await limiter.try_acquire("ip:1", 10**6)).allowed
+        clock.advance(1)
+        refused = await limiter.try_acquire("ip:1", 1)
+        assert (refused.allowed, round(refused.retry_after * US)) == (False, 3599 * US)
+        assert (await limiter.refund("ip:1", 10**6)).remaining == 10**6
+        assert (await limiter.try_acquire("ip:1", 10**6)).allowed
+        assert time.perf_counter() - started < 0.5  # one entry per unit took 2 s (Redis), 12 s
+
+
+def test_a_sliding_window_of_more_than_10000_buckets_is_rejected() -> None:
+    """Limit precision may cut a window into 10,000 buckets at most: finer is refused at once."""
+    assert Limit(10, per=3600, precision=0.36).precision == 0.36  # 10,000 buckets
+    with pytest.raises(ConfigurationError, match=r"36000 buckets.*at most 10000"):
+        Limit(10, per=3600, precision=0.1)
+
+
+async def test_a_full_window_of_3600_buckets_costs_what_a_fresh_one_does(
+    store_url: str, prefix: str
+) -> None:
+    """Limit(3600/h, precision 1 s), full: refusals, refunds and sliding calls stay well < 1 ms."""
+    clock = ManualClock(start=START)
+    async with Limiter(
+        store_url, [Limit(3600, per=3600, precision=1)], prefix=prefix, clock=clock
+    ) as limiter:
+        for _ in range(3600):  # one unit in every bucket
+            assert (await limiter.try_acquire("ip:1")).allowed
+            clock.advance(1)
+        walls = []
+        for _ in range(20):
+            for call in (
+                limiter.try_acquire("ip:1", 2),
+                limiter.refund("ip:1"),
+                limiter.peek("ip:1"),
+            ):
+                started = time.perf_counter()
+                await call
+                walls.append(time.perf_counter() - started)
+            clock.advance(1)  # one bucket leaves, one opens
+        walls.sort()
+        # Parsing every bucket took ~2.5-4 ms a call, on Redis and on memory://.
+        assert walls[len(walls) // 2] < 0.001, walls
