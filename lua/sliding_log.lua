@@ -75,7 +75,7 @@ FACTORIES.log = function()
     redis.call('ZADD', pair.aux, fmt(t), fmt(c) .. '/' .. fmt(w))
   end
 
-  return {
+  local log = {
     check = function(s, pair, now, weight)
       local count, base, newest = log_count(pair, now)
       -- Until the newest entry leaves; after a charge that is a whole period, and with weight 0
@@ -153,4 +153,13 @@ FACTORIES.log = function()
       if kept > 0 then put(pair, e.t, target, kept) end
     end,
   }
+
+  -- Entries re-added after the set emptied (an undo rewriting those after its own) make a
+  -- new key, which needs its TTL again.
+  local refund_entries = log.refund
+  log.refund = function(s, pair, now, weight, at)
+    refund_entries(s, pair, now, weight, at)
+    redis.call('PEXPIRE', pair.aux, math.ceil(pair.period / 1000) + 1 + tonumber(ARGV[4]))
+  end
+  return log
 end

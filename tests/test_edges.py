@@ -24,6 +24,7 @@ from aiolimit import (
     SlidingLog,
     TokenBucket,
 )
+from aiolimit._calls import Call, Mode
 from aiolimit._keys import aux_key, main_key
 from aiolimit.testing import ManualClock
 
@@ -152,9 +153,9 @@ async def _run_script(
         keys.append(aux_key(prefix, "ip:1", limit.aux_suffix))
         aux = 2
     block = ",".join(map(str, (len(keys), 1, aux, *limit.wire)))
-    reply: list[int] = await limiter.store.run(
-        [*keys, f"{main}:op:{op}"], [mode, now_us, weight, 0, op, "", 1, block]
-    )
+    call = Call(Mode(mode), keys, [mode, now_us, weight, 0, f"{op}:1:", "", 1, block], ())
+    (reply,) = await limiter.store.run([call])
+    assert not isinstance(reply, BaseException), reply
     return reply
 
 

@@ -300,13 +300,17 @@ async def test_late_replies_past_the_deadline_charge_nothing(
     assert converged, f"stored {stored} for {admitted} admitted"
 
 
-@pytest.mark.skip(
-    reason="issue 9 item 1 (SlidingLog weight 999,999 runs ~2 s in Redis): bounded separately "
-    "by the cost work; this file covers the charging side only"
-)
-async def test_expensive_sliding_log_call_past_the_deadline_charges_nothing() -> None:
-    """A SlidingLog(1_000_000, per=2) call of weight 999,999 that outlives its deadline in
-    the server is not charged."""
+async def test_expensive_sliding_log_call_fits_a_short_deadline_and_charges_once(
+    redis_url: str, prefix: str
+) -> None:
+    """A SlidingLog(1_000_000, per=2) call of weight 999,999 (2 s of Redis before the cost
+    was bounded) is decided within a 0.2 s deadline and charged exactly once."""
+    limits = [SlidingLog(1_000_000, per=2)]
+    async with Limiter(redis_url, limits, prefix=prefix, deadline=0.2) as limiter:
+        decision = await limiter.try_acquire("ip:1", 999_999)
+        assert decision.allowed and not decision.degraded and decision.remaining == 1
+        assert not (await limiter.peek("ip:1", 2)).allowed
+        assert (await limiter.peek("ip:1", 1)).allowed
 
 
 # --- item 2: a user's own client that resends by itself ---------------------------------------
