@@ -6,6 +6,7 @@
     │   └── WeightNeverFits                     the weight exceeds a limit: it can never pass
     ├── UsageError           (also RuntimeError) used after ``aclose()`` or on another event loop
     ├── RateLimited                             refused; ``.decision`` says why and for how long
+    ├── LeaseExpired                            renew() came after the lease ran out
     └── BackendError                            the store failed; the Redis error is __cause__
         └── BackendUnavailable                  no answer (connection refused, timeout, down)
 
@@ -50,6 +51,11 @@ class RateLimited(AiolimitError):
             f"rate limited by {decision.limit} for {decision.identifier!r}; "
             f"retry after {decision.retry_after:.3f}s"
         )
+
+
+class LeaseExpired(AiolimitError):
+    """``Lease.renew`` found the lease already expired: its slots may be another's by now, so
+    it is not brought back. Acquire again to hold a slot."""
 
 
 class BackendError(AiolimitError):

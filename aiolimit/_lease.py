@@ -7,6 +7,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from aiolimit._calls import RELEASE, RENEW
+from aiolimit._errors import LeaseExpired, UsageError
 
 if TYPE_CHECKING:
     from aiolimit._ops import Op
@@ -43,10 +44,18 @@ class Lease:
         self.released = True
 
     async def renew(self) -> None:
-        """Restarts the lease's time to live."""
+        """Restarts the lease's time to live.
+
+        Raises ``LeaseExpired`` if it already ran out (its slots may be held by another
+        request by now), and ``UsageError`` after ``release``.
+        """
         if self.released:
-            raise RuntimeError("cannot renew a released lease")
-        await self._protocol.lease_call(RENEW, self._plans, self._weight, self._op)
+            raise UsageError("cannot renew a released lease")
+        decision = await self._protocol.lease_call(RENEW, self._plans, self._weight, self._op)
+        if not decision.allowed:
+            raise LeaseExpired(
+                f"lease {self.op_id} expired before renew(); acquire again to hold a slot"
+            )
 
     async def __aenter__(self) -> Lease:
         return self

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
+from aiolimit._algorithms import Concurrency
 from aiolimit._calls import ACQUIRE, CHECK, Mode
 from aiolimit._clock import Clock
 from aiolimit._decision import Decision
@@ -29,6 +30,10 @@ from aiolimit._validation import MAX_SECONDS, check_bool, check_optional_seconds
 
 # acquire reserves a GCRA turn at most this far ahead (also keeps the scaled values exact).
 MAX_RESERVATION_US = 3_600_000_000
+#: Seconds between tries while waiting for a Concurrency slot another process may release:
+#: 10 ms at first, doubling to at most 250 ms (a release in this process wakes waiters at once).
+LEASE_POLL_MIN = 0.01
+LEASE_POLL_MAX = 0.25
 
 Identifiers = str | Sequence[str]
 
@@ -198,6 +203,7 @@ class Limiter:
         # after the delay): waiters are served in arrival order with one call each, instead
         # of all waking at once and retrying.
         queueable = timeout != 0 and all(plan.queueable for plan in plans)
+        polls = 0
         while True:
             max_wait_us = 0
             if queueable:
@@ -217,11 +223,35 @@ class Limiter:
                     self._counts["waits"] += 1
                     await clock.sleep((delay_us - elapsed_us) / 1e6)
                 return decision
-            wait_us = max(round(decision.retry_after * 1e6) - elapsed_us, 0)
-            if deadline is not None and clock.monotonic() + wait_us / 1e6 > deadline:
+            wait = max(round(decision.retry_after * 1e6) - elapsed_us, 0) / 1e6
+            if _refused_by_a_lease(decision):
+                # A lease's retry_after is when it expires at the latest; its holder usually
+                # releases it sooner. Try again at a release in this process, or after a
+                # poll interval growing to LEASE_POLL_MAX, or at the timeout.
+                polls += 1
+                wait = min(wait, LEASE_POLL_MIN * 2 ** min(polls - 1, 8), LEASE_POLL_MAX)
+                if deadline is not None:
+                    left = deadline - clock.monotonic()
+                    if left <= 0:
+                        raise RateLimited(decision)
+                    wait = min(wait, left)
+                self._counts["waits"] += 1
+                await self._sleep_until_release(wait)
+                continue
+            if deadline is not None and clock.monotonic() + wait > deadline:
                 raise RateLimited(decision)
             self._counts["waits"] += 1
-            await clock.sleep(wait_us / 1e6 + clock.sleep_margin)
+            await clock.sleep(wait + clock.sleep_margin)
+
+    async def _sleep_until_release(self, seconds: float) -> None:
+        """Sleeps ``seconds`` on the clock, or less if this process releases a lease."""
+        released = self._protocol.next_release()
+        sleeping = asyncio.ensure_future(self.clock.sleep(seconds))
+        try:
+            await asyncio.wait((sleeping, released), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeping.cancel()
+            released.cancel()
 
     def limit(
         self, ids: Identifiers, weight: int = 1, *, timeout: float | None = None
@@ -282,6 +312,12 @@ class Limiter:
 
     def __repr__(self) -> str:
         return f"Limiter({self._store.address!r}, {self._rules.by_kind!r}, clock={self.clock!r})"
+
+
+def _refused_by_a_lease(decision: Decision) -> bool:
+    return any(
+        not pair.allowed and isinstance(pair.limit, Concurrency) for pair in decision.details
+    )
 
 
 class Acquisition:

@@ -120,6 +120,7 @@ class Protocol:
         self.ops = OpLedger()
         self.statistics = ProtocolStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._release_waiters: set[asyncio.Future[None]] = set()
 
     # --- the calls --------------------------------------------------------------------------
 
@@ -309,7 +310,20 @@ class Protocol:
         assert mode in (RELEASE, RENEW)
         if mode is RENEW:
             return await self.decide(RENEW, plans, weight, op)
-        return await self._shielded(self.decide(RELEASE, plans, weight, op))
+        decision = await self._shielded(self.decide(RELEASE, plans, weight, op))
+        waiters, self._release_waiters = self._release_waiters, set()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        return decision
+
+    def next_release(self) -> asyncio.Future[None]:
+        """Done when this process next releases a lease (waiters for a slot try again then;
+        other processes' releases are seen by polling)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._release_waiters.add(waiter)
+        waiter.add_done_callback(self._release_waiters.discard)
+        return waiter
 
     def _spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Runs ``work`` in a task of its own (it sets its own deadline)."""

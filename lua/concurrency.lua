@@ -66,6 +66,12 @@ FACTORIES.lease = function()
       call_batched('ZREM', pair.aux, nil, lease_members(op, weight))
     end,
 
+    -- Whether the op's leases are still live (all of an op's units share one expiry).
+    held = function(pair, now, op)
+      local score = redis.call('ZSCORE', pair.aux, op .. ':1')
+      return score ~= false and score ~= nil and tonumber(score) > now
+    end,
+
     renew = function(s, pair, now, weight, op)
       local expires = fmt(now + pair.period)
       local args = {}

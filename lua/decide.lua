@@ -9,7 +9,8 @@
 --                           op id it is applied once (a retry replays)
 --                 "undo"    with an op id: credit exactly what that acquire op charged
 --                 "release" with an op id: drop that op's concurrency leases (nothing else)
---                 "renew"   with an op id: extend that op's concurrency leases
+--                 "renew"   with an op id: extend that op's concurrency leases, if they are
+--                           all still live (else nothing, and the reply's allowed is 0)
 -- ARGV[2]   now: integer µs since the epoch, or "" to use this server's TIME
 -- ARGV[3]   weight: positive integer
 -- ARGV[4]   TTL slack: integer ms added to every TTL (a manual clock's time is not Redis')
@@ -340,12 +341,23 @@ end
 
 if mode == 'release' or mode == 'renew' then
   if op == '' then return redis.error_reply('ERR aiolimit: ' .. mode .. ' needs an op id') end
-  for _, pair in ipairs(pairs_) do
-    local action = pair.algo[mode]
-    if action then action(pair.s, pair, now_for(pair.s), weight, op) end
+  -- renew must find every lease of the op still live: one that expired may be another
+  -- holder's slot by now, so it is not brought back (the reply's allowed is 0 then).
+  local held = true
+  if mode == 'renew' then
+    for _, pair in ipairs(pairs_) do
+      if pair.algo.held and not pair.algo.held(pair, now_for(pair.s), op) then held = false end
+    end
   end
-  flush()
+  if held then
+    for _, pair in ipairs(pairs_) do
+      local action = pair.algo[mode]
+      if action then action(pair.s, pair, now_for(pair.s), weight, op) end
+    end
+    flush()
+  end
   local reply = decide_all(0)
+  if not held then reply[1] = 0 end
   return reply
 end
 

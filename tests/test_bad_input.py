@@ -91,6 +91,28 @@ async def test_bad_refund_weight_is_refused(
     )
 
 
+async def test_a_huge_refund_weight_is_refused_before_anything_is_sent(
+    charged: tuple[Backend, Limiter],
+) -> None:
+    """refund(weight=10**30) is an InvalidRequestError naming the bound, not a Lua error."""
+    await assert_refused_unchanged(
+        charged,
+        lambda limiter: limiter.refund("ip:1", weight=10**30),
+        InvalidRequestError,
+        "weight",
+        "<= 1000000000000",
+    )
+
+
+async def test_an_infinite_acquire_timeout_waits_as_long_as_it_takes(
+    charged: tuple[Backend, Limiter],
+) -> None:
+    """acquire(timeout=math.inf) means no timeout (not an OverflowError)."""
+    _, limiter = charged
+    decision = await limiter.acquire("user:2", timeout=math.inf)
+    assert decision.allowed
+
+
 async def test_weight_above_the_smallest_limit_never_fits(charged: tuple[Backend, Limiter]) -> None:
     """A weight above the smallest applicable limit raises WeightNeverFits naming the pair."""
     await assert_refused_unchanged(

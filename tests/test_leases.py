@@ -7,13 +7,14 @@ as stored (ZCARD of ``<prefix>:{<id>}:lease``, so a release must really remove t
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import anyio
 import pytest
 import redis.asyncio as redis_asyncio
 
-from aiolimit import Concurrency, Lease, Limiter, RateLimited
+from aiolimit import Concurrency, Lease, LeaseExpired, Limiter, LocalClock, RateLimited
 from aiolimit.testing import ManualClock
 
 START = 1_700_000_000.0
@@ -203,15 +204,82 @@ async def test_release_is_idempotent(store_url: str, prefix: str) -> None:
 
 
 async def test_acquire_waits_for_an_abandoned_lease_to_expire(store_url: str, prefix: str) -> None:
-    """acquire() waits until a dead holder's lease expires; with a shorter timeout it gives up."""
+    """acquire() waits until a dead holder's lease expires (polling: a release may come any
+    time); with a shorter timeout it tries until the timeout, then gives up."""
     clock = ManualClock(start=START, autojump=True)
     async with open_limiter(store_url, prefix, clock, most=1, ttl=10) as limiter:
         abandoned = await limiter.try_acquire("u:1")
         assert abandoned.allowed
         with pytest.raises(RateLimited):
             await limiter.acquire("u:1", timeout=5)
-        assert clock.time() == START  # it did not wait in vain
+        assert START + 5 <= clock.time() < START + 5.001  # a release could come until then
         async with limiter.limit("u:1", timeout=20) as decision:
             assert decision.allowed
-            assert START + 10 <= clock.time() < START + 10.01
+            assert START + 10 <= clock.time() <= START + 10.25  # polled at most 250 ms apart
         assert await in_flight(limiter) == 0
+
+
+async def test_renew_of_an_expired_lease_fails_and_takes_nothing(
+    store_url: str, prefix: str
+) -> None:
+    """renew() after the TTL raises LeaseExpired and does not take back a slot another holds."""
+    clock = ManualClock(start=START)
+    async with open_limiter(store_url, prefix, clock, most=1, ttl=10) as limiter:
+        first = await limiter.try_acquire("u:1")
+        assert first.lease is not None
+        clock.advance(10.5)
+        second = await limiter.try_acquire("u:1")
+        assert second.allowed and second.lease is not None
+        with pytest.raises(LeaseExpired):
+            await first.lease.renew()
+        assert await in_flight(limiter) == 1
+        assert not (await limiter.try_acquire("u:1")).allowed  # still only one holder
+        await second.lease.renew()  # a live lease renews
+
+
+async def test_a_waiter_gets_the_slot_when_it_is_released_not_at_the_ttl(
+    store_url: str, prefix: str
+) -> None:
+    """A waiter on a full Concurrency is admitted right after the holder releases, well before
+    the lease TTL, also with a timeout shorter than the TTL."""
+    async with open_limiter(store_url, prefix, LocalClock(), most=1, ttl=30) as limiter:
+        holder = await limiter.try_acquire("u:1")
+        assert holder.lease is not None
+        started = time.monotonic()
+
+        async def release_soon() -> None:
+            await asyncio.sleep(0.2)
+            await holder.lease.release()  # type: ignore[union-attr]
+
+        releasing = asyncio.ensure_future(release_soon())
+        async with limiter.limit("u:1", timeout=2) as decision:
+            waited = time.monotonic() - started
+            assert decision.allowed
+        await releasing
+        assert 0.2 <= waited < 0.5
+
+
+async def test_a_release_by_another_process_is_seen_by_polling(store_url: str, prefix: str) -> None:
+    """A slot released through another limiter (another process) reaches the waiter within the
+    poll interval (at most 250 ms), not at the lease TTL."""
+    if store_url.startswith("memory"):
+        pytest.skip("memory:// is one process: no other limiter shares its keys")
+    async with (
+        open_limiter(store_url, prefix, LocalClock(), most=1, ttl=30) as waiter,
+        open_limiter(store_url, prefix, LocalClock(), most=1, ttl=30) as other,
+    ):
+        holder = await other.try_acquire("u:1")
+        assert holder.lease is not None
+        started = time.monotonic()
+
+        async def release_soon() -> None:
+            await asyncio.sleep(0.3)
+            await holder.lease.release()  # type: ignore[union-attr]
+
+        releasing = asyncio.ensure_future(release_soon())
+        decision = await waiter.acquire("u:1", timeout=3)
+        waited = time.monotonic() - started
+        await releasing
+        assert decision.allowed and decision.lease is not None
+        await decision.lease.release()
+        assert 0.3 <= waited < 0.3 + 0.25 + 0.15

@@ -128,6 +128,7 @@ COMMANDS.update(
         b"hgetall": (_hgetall, 2),
         b"zadd": (sorted_sets.zadd, -4),
         b"zcount": (sorted_sets.zcount, 4),
+        b"zscore": (sorted_sets.zscore, 3),
         b"zrange": (sorted_sets.zrange, -4),
         b"zrangebyscore": (sorted_sets.zrangebyscore, -4),
         b"zrem": (sorted_sets.zrem, -3),

@@ -59,6 +59,12 @@ def _score_bounds(low: bytes, high: bytes) -> tuple[tuple[float, bool], tuple[fl
     return bounds[0], bounds[1]
 
 
+def zscore(ks: Keyspace, args: Sequence[bytes]) -> Reply:
+    """ZSCORE key member: the score as text, or nil."""
+    score = ks.get_zset(args[1]).scores.get(bytes(args[2]))
+    return None if score is None else format_double(score)
+
+
 def zcount(ks: Keyspace, args: Sequence[bytes]) -> Reply:
     bounds = _score_bounds(args[2], args[3])
     start, stop = ks.get_zset(args[1]).score_slice(*bounds)
