@@ -14,7 +14,10 @@ from typing import ClassVar
 
 from aiolimit._errors import ConfigurationError
 from aiolimit._limits import BaseLimit, _check_amount, _check_seconds, _seconds_text, _us
+from aiolimit._validation import check_int
 
+#: The largest Concurrency max (one sorted-set entry per unit in flight; see Concurrency).
+MAX_CONCURRENCY = 1_000
 # GCRA compares values scaled by the rate; (burst + weight) * period must stay exact in a double.
 _EXACT = 2**52
 
@@ -169,7 +172,10 @@ class MinInterval(BaseLimit):
 
 @dataclass(frozen=True, slots=True)
 class Concurrency(BaseLimit):
-    """At most ``max`` requests in flight per identifier (leases).
+    """At most ``max`` requests in flight per identifier (leases), ``max`` up to 1,000.
+
+    Each unit in flight is one entry of a sorted set, so one call's cost follows its weight;
+    the cap keeps any call under a millisecond of Redis time.
 
     Admission takes a lease that must be released: ``async with limiter.limit(ids)`` does it on
     exit (also on error and cancellation); ``try_acquire``/``acquire`` return the lease as
@@ -184,9 +190,7 @@ class Concurrency(BaseLimit):
     algorithm: ClassVar[str] = "lease"
 
     def __post_init__(self) -> None:
-        _check_amount("Concurrency max", self.max)
-        if self.max > 1_000_000:
-            raise ConfigurationError(f"Concurrency max must be <= 1000000, got {self.max}")
+        check_int("Concurrency max", self.max, 1, MAX_CONCURRENCY)
         ttl = _check_seconds("Concurrency", "lease_ttl", self.lease_ttl)
         object.__setattr__(self, "lease_ttl", ttl)
         object.__setattr__(self, "_wire", ("lease", self.max, _us(ttl), 0))

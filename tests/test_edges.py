@@ -41,25 +41,34 @@ def by_limit(decision: Decision) -> dict[str, int]:
 
 
 async def test_a_large_concurrency_weight_beside_a_sliding_log(store_url: str, prefix: str) -> None:
-    """Weight 5,000 takes 5,000 leases and logs 5,000 units; renew and release handle them all."""
-    limits = [SlidingLog(10_000, per=60), Concurrency(10_000)]
+    """Weight 1,000 takes 1,000 leases (the most a Concurrency limit has) beside a sliding
+    log; renew and release handle them all."""
+    limits = [SlidingLog(2_000, per=60), Concurrency(1_000)]
     async with Limiter(store_url, limits, prefix=prefix) as limiter:
-        decision = await limiter.try_acquire("ip:1", 5_000)
+        decision = await limiter.try_acquire("ip:1", 1_000)
         assert decision.allowed
-        assert by_limit(decision) == {str(limits[0]): 5_000, str(limits[1]): 5_000}
+        assert by_limit(decision) == {str(limits[0]): 1_000, str(limits[1]): 0}
         assert decision.lease is not None
         await decision.lease.renew()
-        assert by_limit(await limiter.peek("ip:1", 1)) == {
-            str(limits[0]): 4_999,
-            str(limits[1]): 4_999,
+        assert by_limit(await limiter.peek("ip:1", 1)) == {  # refused: the state as it is
+            str(limits[0]): 1_000,
+            str(limits[1]): 0,
         }
         await decision.lease.release()
         assert by_limit(await limiter.peek("ip:1", 1)) == {
-            str(limits[0]): 4_999,
-            str(limits[1]): 9_999,
+            str(limits[0]): 999,
+            str(limits[1]): 999,
         }
-        assert (await limiter.try_acquire("ip:1", 5_000)).allowed
+        assert (await limiter.try_acquire("ip:1", 1_000)).allowed
         assert not (await limiter.try_acquire("ip:1", 1)).allowed  # the log is full
+
+
+def test_a_concurrency_limit_too_large_to_bound_is_refused() -> None:
+    """Concurrency keeps one lease entry per unit: above 1,000 a call could cost milliseconds
+    of Redis time, so a larger max is a ConfigurationError that says what is allowed."""
+    with pytest.raises(ConfigurationError, match=r"1\.\.1000"):
+        Concurrency(1_001)
+    assert Concurrency(1_000).max_weight == 1_000
 
 
 # --- item 9: count_refused -------------------------------------------------------------------
