@@ -12,7 +12,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiolimit import ConfigurationError, Decision, Limit, PairDecision
+from aiolimit import (
+    Concurrency,
+    ConfigurationError,
+    Decision,
+    FixedWindow,
+    Limit,
+    MinInterval,
+    PairDecision,
+    SlidingLog,
+    TokenBucket,
+)
 from aiolimit._web.client_ip import ClientIPResolver
 from aiolimit._web.headers import (
     problem_body,
@@ -179,20 +189,17 @@ def test_raw_header_key_reads_the_first_field_by_name_in_any_case() -> None:
             raw_header_key(name, lambda request: ())  # type: ignore[arg-type]
 
 
-def test_quota_and_window_of_other_limit_shapes() -> None:
-    """Limits are described by duck typing, falling back to capacity / rate."""
-
-    class Bucket:
-        capacity = 20
-        rate = 4.0  # per second
-
-    class Opaque:
-        pass
-
+def test_quota_and_window_of_every_limit_type() -> None:
+    """Every limit type gives its quota and window through BaseLimit (amount, per): no
+    guessing among attribute names."""
     assert quota_and_window(TEN_PER_SECOND) == (10, 1)
     assert quota_and_window(Limit(5, per=0.5)) == (5, 1)  # sub-second windows round up
-    assert quota_and_window(Bucket()) == (20, 5)
-    assert quota_and_window(Opaque()) is None
+    assert quota_and_window(FixedWindow(7, per=60)) == (7, 60)
+    assert quota_and_window(SlidingLog(9, per=3600)) == (9, 3600)
+    assert quota_and_window(TokenBucket(4, per=1, burst=20)) == (20, 1)
+    assert quota_and_window(MinInterval(2.5)) == (1, 3)
+    assert quota_and_window(Concurrency(3, lease_ttl=30)) == (3, 30)
+    assert quota_and_window(None) is None
 
 
 def test_allowed_headers_one_item_per_limit() -> None:

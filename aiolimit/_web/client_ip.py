@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Literal, TypeAlias
 
 from aiolimit._errors import ConfigurationError
+from aiolimit._validation import check_int
 from aiolimit._web.keys import key_value
 
 IPAddress: TypeAlias = "ipaddress.IPv4Address | ipaddress.IPv6Address"
@@ -91,15 +92,13 @@ class ClientIPResolver:
             raise ConfigurationError(
                 f"forwarded_header must be 'x-forwarded-for' or 'forwarded', got {header!r}"
             )
-        if (
-            isinstance(ipv6_prefix, bool)
-            or not isinstance(ipv6_prefix, int)
-            or not 1 <= ipv6_prefix <= 128
-        ):
+        if ipv6_prefix is None:
             raise ConfigurationError(
-                f"ipv6_prefix must be an int from 1 to 128 (64 by default; 128 keys each IPv6 "
-                f"address alone), got {ipv6_prefix!r}"
+                "ipv6_prefix must be an int in 1..128 (64 by default; 128 keys each IPv6 "
+                "address alone), got None"
             )
+        check_int("ipv6_prefix (64 by default; 128 keys each IPv6 address alone)",
+                  ipv6_prefix, 1, 128)  # fmt: skip
         self.header = header
         self.ipv6_prefix = ipv6_prefix
 

@@ -16,6 +16,7 @@ from typing import Any
 from aiolimit._decision import Decision
 from aiolimit._errors import BackendError, ConfigurationError, WeightNeverFits
 from aiolimit._limiter import Limiter
+from aiolimit._validation import MAX_AMOUNT, check_int
 from aiolimit._web.headers import (
     never_fits_body,
     problem_body,
@@ -50,10 +51,8 @@ class Rule:
     def __init__(self, limiter: Limiter, keys: Mapping[str, KeyFunc], weight: int | WeightFunc):
         if not isinstance(limiter, Limiter):
             raise ConfigurationError(f"limiter must be an aiolimit.Limiter, got {limiter!r}")
-        if isinstance(weight, bool) or not (
-            callable(weight) or (isinstance(weight, int) and weight >= 1)
-        ):
-            raise ConfigurationError(f"weight must be an int >= 1 or a callable, got {weight!r}")
+        if not callable(weight):
+            check_int("weight", weight, 1, MAX_AMOUNT)
         self.limiter = limiter
         self.keys = check_keys(keys)
         self.weight = weight
@@ -72,9 +71,7 @@ class Rule:
         if isinstance(weight, int):
             return weight
         value = await _call(weight, request)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigurationError(f"a weight function must return an int >= 1, got {value!r}")
-        return value
+        return check_int("a weight function's result", value, 1, MAX_AMOUNT)
 
 
 class RouteTable:

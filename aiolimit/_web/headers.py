@@ -14,70 +14,34 @@ limit and are off by default.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from aiolimit._decision import Decision, PairDecision
 from aiolimit._errors import WeightNeverFits
+from aiolimit._limits import BaseLimit
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
 REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
 
 
-def _seconds(value: object) -> float | None:
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
+def quota_and_window(limit: BaseLimit | None) -> tuple[int, int] | None:
+    """(quota, window in whole seconds) of a limit, for ``RateLimit-Policy``'s q and w.
 
-
-def quota_and_window(limit: Any) -> tuple[int, int] | None:
-    """(quota, window in whole seconds) of any limit type, or None if it cannot say (cached)."""
-    try:
-        return _described(limit)
-    except TypeError:  # an unhashable limit type
-        return _describe(limit)
-
-
-def _describe(limit: Any) -> tuple[int, int] | None:
-    """How ``quota_and_window`` reads a limit.
-
-    ``Limit`` has ``amount``/``per``. Other algorithms are read by duck typing: a capacity
-    (``amount``, ``capacity``, ``burst``, ``limit``, else ``max_weight``) and a window
-    (``per``, ``period``, ``window``, ``interval``), or ``capacity / rate`` seconds when the
-    limit has a refill ``rate`` per second instead.
+    Every limit type says both (``BaseLimit.amount`` and ``per``): a bucket's burst per its
+    period, a pool's size per its lease TTL.
     """
-    quota = None
-    for name in ("amount", "capacity", "burst", "limit", "max_weight"):
-        value = getattr(limit, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            quota = value
-            break
-    if quota is None:
+    if limit is None:
         return None
-    window = None
-    for name in ("per", "period", "window", "interval"):
-        window = _seconds(getattr(limit, name, None))
-        if window is not None:
-            break
-    if window is None:
-        rate = _seconds(getattr(limit, "rate", None))
-        if rate is None or rate <= 0:
-            return None
-        window = quota / rate
+    window = limit.per
     if not math.isfinite(window) or window <= 0:
         return None
-    return quota, max(1, math.ceil(window))
+    return limit.amount, max(1, math.ceil(window))
 
-
-_described = functools.lru_cache(maxsize=1024)(_describe)
 
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.*-]")
 
