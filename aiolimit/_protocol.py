@@ -15,6 +15,43 @@ The protocol owns the orchestration of a decision; the store only sends calls
      credits exactly what the op charged there, once, and tombstones the op so a late commit
      cannot charge. The final state equals "never happened".
 
+**What the caller was told is what is stored.** The argument, case by case:
+
+- Every charging call carries an op (``aiolimit._ops``): this limiter's id, a stamp, and the
+  stamps of its older ops on the same identifiers that are still *open* (sent, outcome not
+  known). The script applies an op at most once per identifier: it records ``<stamp>@<time>``
+  when the op charges there, replays (charges nothing) when it sees the op again, and refuses
+  an op that was undone there or whose stamp is below the oldest open one (its client has
+  settled it). It keeps only what is open, so a key holds no more entries than its limiter
+  has calls in flight or undos pending, whatever the request rate (no key per decision).
+- Admitted and told so: the reply came back; the op is settled (later calls ack past it).
+- Refused: nothing was charged (a refused call records nothing); settled.
+- Any failure (store error, the deadline, a cancellation, a degraded answer): the op may have
+  charged, or may charge later (reply lost; a stopped server that runs it when resumed; a
+  call still in a socket). ``acquire`` hands it to ``_settle``, which sends ``undo`` for it
+  until the store answers: an undo credits exactly what the op charged (at the time it
+  charged), once, and leaves a tombstone, so a copy of the op arriving after it charges
+  nothing. Only once the undo is answered is the op settled; later calls then ack past it,
+  which keeps refusing any late copy after the tombstone is dropped. A store that stays
+  unreachable is retried with backoff for ``UNDO_PATIENCE`` seconds (each attempt bounded by
+  ``UNDO_BUDGET``); when it comes back within that time the state converges to "never
+  happened". Past it (or when the limiter is closed first) the op is given up, logged and
+  counted in ``compensation_errors``: a charge it made then stays until it expires, erring on
+  the side of refusing, never of admitting.
+- A client that resends a call by itself (redis-py's retry after a lost reply) resends the
+  same op: it replays. So does the cluster store's own retry.
+- Cross-slot: the check phase writes nothing. A commit refused by one slot (another client won
+  the race) is compensated at once on the slots that charged; a commit that failed anywhere is
+  compensated on every slot that did not refuse before the caller hears of the error, and
+  settled in the background if that compensation fails too.
+
+Residual limits, stated: a key that expires (its windows all empty) takes its ledger with
+it, so a copy of an op arriving after that would find nothing; by then the op's own charge
+has expired too, and the copy is refused anyway if the limiter has since settled past it
+(the horizon is rebuilt on the next call). An ``undo`` lost to asynchronous replication in a
+failover (acknowledged by a primary that died before replicating it) cannot be seen by the
+client; Redis without ``WAIT`` gives no stronger guarantee.
+
 **Every undo lives here**, in one set of background tasks: compensation of a cross-slot
 commit, the cleanup of a lease-taking call whose caller went away or failed (its lease may
 have been taken), and lease releases. Such work must finish even when the decision that
