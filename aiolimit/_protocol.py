@@ -45,12 +45,12 @@ The protocol owns the orchestration of a decision; the store only sends calls
   compensated on every slot that did not refuse before the caller hears of the error, and
   settled in the background if that compensation fails too.
 
-Residual limits, stated: a key that expires (its windows all empty) takes its ledger with
-it, so a copy of an op arriving after that would find nothing; by then the op's own charge
-has expired too, and the copy is refused anyway if the limiter has since settled past it
-(the horizon is rebuilt on the next call). An ``undo`` lost to asynchronous replication in a
-failover (acknowledged by a primary that died before replicating it) cannot be seen by the
-client; Redis without ``WAIT`` gives no stronger guarantee.
+Residual limits, stated: the ledger lives in the identifier's key, so it lasts as long as the
+key does (a window past its last write at least, ``OP_RETENTION_MS`` of ``lua/prelude.lua``
+after an undo). A copy of an op held up somewhere for longer than that would find no ledger
+and be applied; a request does not sit in a TCP connection that long in practice. And an undo
+acknowledged by a primary that dies before replicating it is lost with that primary: Redis
+without ``WAIT`` gives no stronger guarantee.
 
 **Every undo lives here**, in one set of background tasks: compensation of a cross-slot
 commit, the cleanup of a lease-taking call whose caller went away or failed (its lease may
