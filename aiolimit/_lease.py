@@ -37,11 +37,15 @@ class Lease:
         self.released = False
 
     async def release(self) -> None:
-        """Gives the slots back (idempotent; finishes even if the caller is cancelled)."""
+        """Gives the slots back (idempotent; finishes even if the caller is cancelled).
+
+        If the store fails, the error is raised and the release goes on being retried in
+        the background (with backoff, for minutes), so the slot does not wait for the TTL.
+        """
         if self.released:
             return
-        await self._protocol.lease_call(RELEASE, self._plans, self._weight, self._op)
         self.released = True
+        await self._protocol.lease_call(RELEASE, self._plans, self._weight, self._op)
 
     async def renew(self) -> None:
         """Restarts the lease's time to live.

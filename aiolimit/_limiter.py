@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ LEASE_POLL_MIN = 0.01
 LEASE_POLL_MAX = 0.25
 
 Identifiers = str | Sequence[str]
+logger = logging.getLogger("aiolimit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +345,11 @@ class Acquisition:
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:  # fmt: skip
-        # Concurrency leases go back on every exit: normal, error or cancellation.
+        # Concurrency leases go back on every exit: normal, error or cancellation. A store
+        # failure here must not mask how the body ended: the release is retried in the
+        # background and the failure logged.
         if self.decision is not None and self.decision.lease is not None:
-            await self.decision.lease.release()
+            try:
+                await self.decision.lease.release()
+            except BackendError as error:
+                logger.warning("aiolimit: releasing a lease failed, retrying: %s", error)

@@ -3,8 +3,9 @@
 Every charging call carries an op: ``<client>:<stamp>:<open>`` (see ``lua/decide.lua``). The
 client is this limiter's random id, the stamp counts up, and ``open`` lists the older stamps
 still *unsettled* on the call's identifiers: sent, but with no reply yet (in flight, or lost
-and being undone). The script keeps, per identifier and client, only those, the newer ones and
-the undone ones, and treats everything below the oldest open stamp as settled: a copy of such
+and being undone; the oldest ``MAX_OPEN`` of them). The script keeps, per identifier and
+client, only those, the newer ones and the undone ones, and treats everything below the oldest
+open stamp as settled: a copy of such
 an op arriving late (a stopped server resumed, a client that resent it by itself) charges
 nothing. So the state the scripts keep for exactly-once grows with the ops in flight or being
 undone, never with the request rate.
@@ -15,6 +16,13 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
+
+#: Open stamps an op names at most: the oldest ones. Under a burst of calls in flight on one
+#: identifier, the newer open ops go unnamed, so the script may drop their entries early: if
+#: such an op then fails, its undo credits nothing (the limit errs toward refusing), but each
+#: call's cost stays bounded.
+MAX_OPEN = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,18 +59,18 @@ class OpLedger:
         self._next += 1
         stamp = self._next
         book = self._open
-        older: set[int] | None = None
+        older: list[int] = []
         for key in keys:
             stamps = book.get(key)
             if stamps is None:
                 book[key] = {stamp: None}
             else:
-                if older is None:
-                    older = set(stamps)
-                else:
-                    older.update(stamps)
+                # The oldest first (stamps enter each dict in increasing order).
+                older.extend(islice(stamps, MAX_OPEN))
                 stamps[stamp] = None
-        return Op(self.client, stamp, tuple(sorted(older)) if older else ())
+        if not older:
+            return Op(self.client, stamp)
+        return Op(self.client, stamp, tuple(sorted(set(older))[:MAX_OPEN]))
 
     def settle(self, keys: Sequence[str], op: Op) -> None:
         """The op's outcome is known (answered, or undone): later calls ack past it."""

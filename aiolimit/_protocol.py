@@ -67,6 +67,7 @@ but never stops the work; such a task sets a deadline of its own (``UNDO_BUDGET`
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Coroutine, Sequence
@@ -347,12 +348,38 @@ class Protocol:
         assert mode in (RELEASE, RENEW)
         if mode is RENEW:
             return await self.decide(RENEW, plans, weight, op)
-        decision = await self._shielded(self.decide(RELEASE, plans, weight, op))
+        try:
+            decision = await self._shielded(self.decide(RELEASE, plans, weight, op))
+        except Exception:
+            # Keep trying in the background (a release is idempotent), so one reset
+            # connection does not hold the slot until the lease TTL.
+            self._spawn(self._retry_release(plans, weight, op))
+            raise
+        self._wake_release_waiters()
+        return decision
+
+    async def _retry_release(self, plans: Sequence[IdentifierPlan], weight: int, op: Op) -> None:
+        give_up = time.monotonic() + self._patience
+        for attempt in itertools.count():
+            await asyncio.sleep(backoff(attempt))
+            budget = min(UNDO_BUDGET, max(give_up - time.monotonic(), 0.001))
+            try:
+                DECISION_DEADLINE.set(time.monotonic() + budget)
+                async with asyncio.timeout(budget):
+                    await self.decide(RELEASE, plans, weight, op)
+            except Exception as error:
+                if time.monotonic() >= give_up:
+                    logger.warning("aiolimit: gave up releasing lease %s: %s", op.id, error)
+                    return
+                continue
+            self._wake_release_waiters()
+            return
+
+    def _wake_release_waiters(self) -> None:
         waiters, self._release_waiters = self._release_waiters, set()
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
-        return decision
 
     def next_release(self) -> asyncio.Future[None]:
         """Done when this process next releases a lease (waiters for a slot try again then;

@@ -16,9 +16,10 @@
 -- ARGV[4]   TTL slack: integer ms added to every TTL (a manual clock's time is not Redis')
 -- ARGV[5]   op, "" for none, else "<client>:<stamp>:<open>": the calling limiter's id (letters
 --           and digits), the op's stamp (an integer, increasing per client) and <open>, the
---           comma-separated stamps (ascending, maybe none) of that client's older ops on
---           these identifiers whose outcome it does not know yet: every other older op is
---           settled (the client had its reply, or its undo's). The op's identity, e.g. for
+--           comma-separated stamps (ascending, maybe none; the oldest ones, at most 32) of that
+--           client's older ops on these identifiers whose outcome it does not know yet: every
+--           op older than the oldest of them is settled (the client had its reply, or its
+--           undo's). The op's identity, e.g. for
 --           leases, is "<client>:<stamp>". Exactly-once bookkeeping lives in each main key,
 --           in the field "o:<client>" = "<last write µs>;<horizon>;<entries>", entries being
 --           "<stamp>@<µs>" (applied at that time) or "<stamp>@-" (undone, or blocked before it
@@ -29,11 +30,12 @@
 --                   records "<stamp>@<µs>".
 --             undo: credits exactly what that op charged here, once, and leaves "<stamp>@-"
 --                   (also when it never ran here, so a late copy cannot charge).
---           Every write sets the horizon to (the oldest open stamp, or this stamp) - 1 and keeps
---           only entries for this stamp and newer, for the open stamps, and undone ones above
---           the horizon. So the field holds what the client has not settled, never more than
---           its ops in flight and undos pending: it does not grow with the request rate. A
---           client field idle for OP_RETENTION_MS is dropped.
+--           Every write sets the horizon to (the oldest open stamp, or this stamp) - 1 and drops
+--           the entries at or below it, so the field holds the ops since the client's oldest
+--           unsettled one: a few in steady state, whatever the request rate, and while an op
+--           is stuck (undo pending) at most OP_KEEP_BYTES (the open ops the call names and the
+--           undone ones are kept first). A client field idle for OP_RETENTION_MS is dropped,
+--           and beyond OP_CLIENTS fields the least recently written.
 -- ARGV[6]   flags: "p" counts refused requests as a penalty (charges them anyway, except
 --                 algorithms marked penalty_free: a refused call takes no concurrency lease);
 --           "r<µs>" reserves: pairs that can queue (GCRA) admit a request that fits within
@@ -169,22 +171,39 @@ if op ~= '' then
   op = client .. ':' .. stamp
 end
 
--- This client's ledger in main key s, parsed once per call.
+-- This client's ledger in main key s: its horizon, and its entries as text. The entries are
+-- never parsed one by one on the common path: a call's cost must not grow with the ops in
+-- flight on an identifier (searches and copies of the text run in C).
 local function ledger(s)
   if s.ledger then return s.ledger end
-  local l = {name = 'o:' .. op_client, horizon = 0, stamps = {}, at = {}}
+  local l = {name = 'o:' .. op_client, horizon = 0, entries = ''}
   local raw = s.fields[l.name]
   if raw then
     local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
     l.horizon = tonumber(horizon) or 0
-    for stamp, time in string.gmatch(entries or '', '(%d+)@([%d-]+)') do
-      stamp = tonumber(stamp)
-      l.stamps[#l.stamps + 1] = stamp
-      if time == '-' then l.at[stamp] = false else l.at[stamp] = tonumber(time) end
-    end
+    l.entries = entries or ''
   end
   s.ledger = l
   return l
+end
+
+-- What a ledger recorded for a stamp: its time (applied), false (undone), or nil (nothing).
+local function ledger_at(l, stamp)
+  local entries, key = l.entries, fmt(stamp) .. '@'
+  local from = 1
+  local at
+  while true do  -- a plain search (memchr speed), then a check that it starts an entry
+    local first, last = string.find(entries, key, from, true)
+    if not first then return nil end
+    if first == 1 or string.sub(entries, first - 1, first - 1) == ',' then
+      at = string.match(entries, '^[%d-]+', last + 1)
+      break
+    end
+    from = last + 1
+  end
+  if at == nil then return nil end
+  if at == '-' then return false end
+  return tonumber(at)
 end
 
 -- What this op is to main key s: 'new', 'applied' (and when), or 'settled' (undone here,
@@ -192,47 +211,101 @@ end
 local function op_state(s)
   local l = ledger(s)
   if op_stamp <= l.horizon then return 'settled' end
-  local at = l.at[op_stamp]
+  local at = ledger_at(l, op_stamp)
   if at == nil then return 'new' end
   if at == false then return 'settled' end
   return 'applied', at
 end
 
--- Records this op in main key s (time µs, or false for undone), sets the horizon below the
--- oldest open stamp and keeps what is unsettled (see ARGV[5]); stages the field. A key that
--- records an undo lives at least OP_RETENTION_MS, so a late copy still finds it.
+-- What this op is to the call's keys together. They are written together, but one key may
+-- have expired (its ledger with it) while another lives on: 'applied' anywhere means the op
+-- ran, else 'settled' anywhere means it may not run, else it is 'new'.
+local function op_state_all()
+  local settled = false
+  for _, s in ipairs(mains) do
+    local state = op_state(s)
+    if state == 'applied' then return 'applied' end
+    if state == 'settled' then settled = true end
+  end
+  if settled then return 'settled' end
+  return 'new'
+end
+
+-- Records this op in main key s (time µs, or false for undone) and stages the field. The
+-- horizon rises to just below the oldest open stamp, and the entries it passed go from the
+-- front (they arrive in stamp order, near enough: each entry is dropped once, so this costs
+-- O(1) a call over time). Entries of settled ops above the horizon stay until it passes
+-- them. Past OP_KEEP_BYTES (a stuck op and much traffic behind it) the oldest entries go,
+-- except the open ones the call names and the undone ones: a dropped op's undo would then
+-- credit nothing, and a resent copy of it would charge again (both err toward refusing).
+-- A key that records an undo lives at least OP_TOMBSTONE_MS, so a late copy finds it.
 local function op_record(s, time)
   local l = ledger(s)
-  if l.at[op_stamp] == nil then l.stamps[#l.stamps + 1] = op_stamp end
-  l.at[op_stamp] = time
-  if op_floor - 1 > l.horizon then l.horizon = op_floor - 1 end
-  table.sort(l.stamps)
-  local kept = {}
-  for _, stamp in ipairs(l.stamps) do
-    if stamp > l.horizon and (stamp >= op_stamp or op_open[stamp] or l.at[stamp] == false) then
-      kept[#kept + 1] = stamp
+  local horizon = l.horizon
+  if op_floor - 1 > horizon then horizon = op_floor - 1 end
+  local when = '-'
+  if time then when = fmt(time) end
+  local entry = fmt(op_stamp) .. '@' .. when
+  local entries = l.entries
+  if ledger_at(l, op_stamp) ~= nil then
+    local text = string.gsub(',' .. entries .. ',', ',' .. fmt(op_stamp) .. '@[%d-]+,',
+                             ',' .. entry .. ',', 1)
+    entries = string.sub(text, 2, -2)
+  elseif entries == '' then
+    entries = entry
+  else
+    entries = entries .. ',' .. entry
+  end
+  local cut = 1
+  while true do
+    local _, last, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
+    if not last or tonumber(stamp) > horizon then break end
+    cut = last + 1
+  end
+  if cut > 1 then entries = string.sub(entries, cut) end
+  if #entries > OP_KEEP_BYTES then
+    local kept, size = {}, 0
+    local all = {}
+    for stamp, at in string.gmatch(entries, '(%d+)@([%d-]+)') do
+      all[#all + 1] = {tonumber(stamp), stamp .. '@' .. at, at == '-'}
     end
+    for i = #all, 1, -1 do  -- newest first: keep what fits, and always the protected
+      local e = all[i]
+      if e[1] > horizon and (size < OP_KEEP_BYTES / 2 or op_open[e[1]] or e[3]) then
+        kept[#kept + 1] = e
+        size = size + #e[2] + 1
+      end
+    end
+    table.sort(kept, function(x, y) return x[1] < y[1] end)
+    local text = {}
+    for i, e in ipairs(kept) do text[i] = e[2] end
+    entries = table.concat(text, ',')
   end
-  while #kept > OP_KEEP do  -- a safety valve only: the oldest count as settled
-    l.horizon = table.remove(kept, 1)
-  end
-  local text = {}
-  for i, stamp in ipairs(kept) do
-    local when = '-'
-    if l.at[stamp] then when = fmt(l.at[stamp]) end
-    text[i] = fmt(stamp) .. '@' .. when
-  end
-  l.stamps = kept
-  stage_set(s, l.name, fmt(now) .. ';' .. fmt(l.horizon) .. ';' .. table.concat(text, ','))
-  if time == false then want_ttl(s, OP_RETENTION_MS) end
+  l.horizon, l.entries = horizon, entries
+  stage_set(s, l.name, fmt(now) .. ';' .. fmt(horizon) .. ';' .. entries)
+  if time == false then want_ttl(s, OP_TOMBSTONE_MS) end
 end
 
 -- Drops client fields idle for OP_RETENTION_MS (their clients are gone).
+-- Beyond OP_CLIENTS fields, the least recently written go (a fleet of short-lived workers
+-- must not pile up ledgers in a busy key); a dropped ledger can only make an undo of its
+-- client credit nothing, erring toward refusing.
 op_prune = function(s)
+  local live = {}
   for name, value in pairs(s.fields) do
     if string.sub(name, 1, 2) == 'o:' then
-      local last = tonumber(string.match(value, '^(%d+);'))
-      if last and last + OP_RETENTION_MS * 1000 < now then stage_del(s, name) end
+      local last = tonumber(string.match(value, '^(%d+);')) or 0
+      if last + OP_RETENTION_MS * 1000 < now then
+        stage_del(s, name)
+      else
+        live[#live + 1] = {name = name, last = last}
+      end
+    end
+  end
+  if #live > OP_CLIENTS then
+    table.sort(live, function(a, b) return a.last < b.last end)
+    for i = 1, #live - OP_CLIENTS do
+      if not (op_client and live[i].name == 'o:' .. op_client) then stage_del(s, live[i].name) end
     end
   end
 end
@@ -272,7 +345,7 @@ end
 
 if mode == 'acquire' then
   if op_client then
-    local state = op_state(mains[1])
+    local state = op_state_all()
     if state ~= 'new' then
       local reply = decide_all(weight)
       reply[1] = state == 'applied' and 1 or 0
@@ -304,14 +377,16 @@ if mode == 'refund' or mode == 'undo' then
   local replay = 0
   local at = {}
   if op_client then
-    local state, time = op_state(mains[1])
+    local state = op_state_all()
     if mode == 'refund' and state ~= 'new' then
       replay = 1
     elseif mode == 'undo' then
       if state == 'applied' then
+        -- Credit each key at the time the op charged it; a key that lost its entry (it
+        -- expired since) lost that charge with it: nothing to credit there.
         for _, s in ipairs(mains) do
-          local _, charged = op_state(s)
-          at[s.key] = charged or time
+          local kind, charged = op_state(s)
+          if kind == 'applied' then at[s.key] = charged end
         end
       else
         replay = 1
@@ -324,7 +399,9 @@ if mode == 'refund' or mode == 'undo' then
   end
   if replay == 0 then
     for _, pair in ipairs(pairs_) do
-      pair.algo.refund(pair.s, pair, now_for(pair.s), weight, at[pair.s.key], op)
+      if mode == 'refund' or at[pair.s.key] then
+        pair.algo.refund(pair.s, pair, now_for(pair.s), weight, at[pair.s.key], op)
+      end
     end
     if mode == 'refund' and op_client then  -- (a key that did not exist has nothing to refund)
       for _, s in ipairs(mains) do

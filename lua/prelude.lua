@@ -24,10 +24,14 @@ local function algorithm(code)
   end
   return algo
 end
--- A client's op ledger in a key is dropped after this long without a write from it; it
--- outlives every retry and undo a limiter makes (its deadline is at most 3600 s).
-local OP_RETENTION_MS = 7200000
-local OP_KEEP = 4096  -- unsettled ops of one client kept per key at most (a safety valve)
+-- A client's op ledger in a key is dropped after this long without a write from it: longer
+-- than the limiter retries an undo (5 minutes) plus a deadline of several minutes.
+local OP_RETENTION_MS = 900000
+-- A key that records an undo lives at least this long, so a copy of the op that arrives late
+-- (from a socket of a stopped server, say) still finds the tombstone.
+local OP_TOMBSTONE_MS = 5000
+local OP_CLIENTS = 64  -- client ledgers one key keeps at most (the most recently written)
+local OP_KEEP_BYTES = 65536  -- a client's ledger text in one key at most (a safety valve)
 local TTL_STEP_MS = 1000  -- TTLs are set this much longer than needed, and so set less often
 
 local function fmt(n)
