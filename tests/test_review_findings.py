@@ -127,6 +127,7 @@ async def test_server_time_per_call_grows_with_concurrent_calls_on_one_identifie
         per_call[1500] = stats["cmdstat_evalsha"]["usec_per_call"]
     finally:
         await redis.aclose()
+    print(f"\n[server us per call] {per_call}")
     assert per_call[1500] < 5 * per_call[1], f"server us per call: {per_call}"
 
 
