@@ -70,7 +70,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -315,30 +315,36 @@ class Protocol:
     ) -> None:
         """Undoes ``op`` over ``plans`` until the store answers (``undo_patience`` at most);
         then the op is settled and later calls ack past it."""
-        give_up = time.monotonic() + self._patience
-        attempt = 0
         try:
-            while True:
-                left = give_up - time.monotonic()
-                budget = min(UNDO_BUDGET, max(left, 0.001))
-                try:
-                    DECISION_DEADLINE.set(time.monotonic() + budget)
-                    async with asyncio.timeout(budget):
-                        await self.decide(UNDO, plans, weight, op)
-                    return
-                except Exception as error:
-                    pause = backoff(attempt)
-                    attempt += 1
-                    if time.monotonic() + pause >= give_up:
-                        self.statistics.compensation_errors += 1
-                        logger.warning(
-                            "aiolimit: gave up undoing op %s after %d attempts: %s",
-                            op.id, attempt, error,
-                        )  # fmt: skip
-                        return
-                await asyncio.sleep(pause)
+            undone = await self._until_answered(
+                lambda: self.decide(UNDO, plans, weight, op), f"undoing op {op.id}"
+            )
+            if not undone:
+                self.statistics.compensation_errors += 1
         finally:
             self.ops.settle(keys, op)
+
+    async def _until_answered(
+        self, attempt: Callable[[], Awaitable[object]], what: str, *, failed: bool = False
+    ) -> bool:
+        """Runs ``attempt`` until the store answers: each try with a deadline of its own
+        (``UNDO_BUDGET``), backing off between tries, for ``undo_patience`` at most. False,
+        and a log line, if it never did. ``failed``: a first try was already made elsewhere."""
+        give_up = time.monotonic() + self._patience
+        for tries in itertools.count(1):
+            if failed or tries > 1:
+                await asyncio.sleep(backoff(tries - 1))
+            budget = min(UNDO_BUDGET, max(give_up - time.monotonic(), 0.001))
+            try:
+                DECISION_DEADLINE.set(time.monotonic() + budget)
+                async with asyncio.timeout(budget):
+                    await attempt()
+                return True
+            except Exception as error:
+                if time.monotonic() + backoff(tries) >= give_up:
+                    logger.warning("aiolimit: gave up %s after %d attempts: %s", what, tries, error)
+                    return False
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def lease_call(
         self, mode: Mode, plans: Sequence[IdentifierPlan], weight: int, op: Op
@@ -359,21 +365,12 @@ class Protocol:
         return decision
 
     async def _retry_release(self, plans: Sequence[IdentifierPlan], weight: int, op: Op) -> None:
-        give_up = time.monotonic() + self._patience
-        for attempt in itertools.count():
-            await asyncio.sleep(backoff(attempt))
-            budget = min(UNDO_BUDGET, max(give_up - time.monotonic(), 0.001))
-            try:
-                DECISION_DEADLINE.set(time.monotonic() + budget)
-                async with asyncio.timeout(budget):
-                    await self.decide(RELEASE, plans, weight, op)
-            except Exception as error:
-                if time.monotonic() >= give_up:
-                    logger.warning("aiolimit: gave up releasing lease %s: %s", op.id, error)
-                    return
-                continue
+        released = await self._until_answered(
+            lambda: self.decide(RELEASE, plans, weight, op), f"releasing lease {op.id}",
+            failed=True,
+        )  # fmt: skip
+        if released:
             self._wake_release_waiters()
-            return
 
     def _wake_release_waiters(self) -> None:
         waiters, self._release_waiters = self._release_waiters, set()
