@@ -217,3 +217,21 @@ class Proxies:
     async def aclose(self) -> None:
         for proxy in self.by_target.values():
             await proxy.aclose()
+
+
+def drop_first_script_reply(proxy: Proxy) -> list[int]:
+    """Arms ``proxy``: the reply to the next script call is lost with its connection (the
+    server ran the call). Returns a list that counts the connections dropped."""
+    dropped: list[int] = []
+
+    def on_request(link: Link, data: bytes) -> None:
+        if script_calls(data) and not dropped and "doomed" not in link.marks:
+            link.marks["doomed"] = True
+
+    def on_reply(link: Link, data: bytes) -> None:
+        if link.marks.get("doomed") and not dropped:
+            dropped.append(1)
+            link.abort()
+
+    proxy.on_request, proxy.on_reply = on_request, on_reply
+    return dropped

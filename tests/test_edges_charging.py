@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from _proxy import Link, Proxies, Proxy, script_calls
+from _proxy import Link, Proxies, Proxy, drop_first_script_reply, script_calls
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
@@ -314,24 +314,6 @@ async def test_expensive_sliding_log_call_fits_a_short_deadline_and_charges_once
 
 
 # --- item 2: a user's own client that resends by itself ---------------------------------------
-
-
-def drop_first_script_reply(proxy: Proxy) -> list[int]:
-    """Arms ``proxy``: the reply to the next script call is lost with its connection (the
-    server ran the call). Returns a list that counts the connections dropped."""
-    dropped: list[int] = []
-
-    def on_request(link: Link, data: bytes) -> None:
-        if script_calls(data) and not dropped and "doomed" not in link.marks:
-            link.marks["doomed"] = True
-
-    def on_reply(link: Link, data: bytes) -> None:
-        if link.marks.get("doomed") and not dropped:
-            dropped.append(1)
-            link.abort()
-
-    proxy.on_request, proxy.on_reply = on_request, on_reply
-    return dropped
 
 
 @pytest.mark.parametrize("weight", [1, 7])

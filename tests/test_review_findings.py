@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from _proxy import Link, Proxy, script_calls
+from _proxy import Link, Proxy, drop_first_script_reply, script_calls
 from redis.asyncio import Redis
 
 from aiolimit import BackendError, Decision, Limit, Limiter
@@ -323,22 +323,6 @@ async def test_release_that_meets_a_reset_connection_holds_the_slot_for_the_leas
 # --- 7. a resent refund is judged by the first identifier's ledger: given back twice -----------
 
 
-def _drop_first_script_reply(proxy: Proxy) -> list[int]:
-    dropped: list[int] = []
-
-    def on_request(link: Link, data: bytes) -> None:
-        if script_calls(data) and not dropped and "doomed" not in link.marks:
-            link.marks["doomed"] = True
-
-    def on_reply(link: Link, data: bytes) -> None:
-        if link.marks.get("doomed") and not dropped:
-            dropped.append(1)
-            link.abort()
-
-    proxy.on_request, proxy.on_reply = on_request, on_reply
-    return dropped
-
-
 async def test_resent_refund_gives_back_twice_when_first_identifiers_key_expired(
     standalone_proxy: Proxy, redis_url: str, prefix: str
 ) -> None:
@@ -355,7 +339,7 @@ async def test_resent_refund_gives_back_twice_when_first_identifiers_key_expired
         assert told_admitted(await limiter.try_acquire(["ip:1", "user:1"]))
         assert told_admitted(await limiter.try_acquire("user:1", 2))  # user:1 holds 3
         await asyncio.sleep(2.5)  # ip:1's key (1 s window + 1 s TTL step) is gone
-        dropped = _drop_first_script_reply(standalone_proxy)
+        dropped = drop_first_script_reply(standalone_proxy)
         await limiter.refund(["ip:1", "user:1"], 1)
         assert dropped == [1]
     finally:
