@@ -24,10 +24,11 @@ from aiolimit._failure import BreakerStatistics, CircuitBreaker, FailurePolicy, 
 from aiolimit._keys import check_prefix
 from aiolimit._limits import BaseLimit
 from aiolimit._protocol import Protocol
+from aiolimit._refusals import DEFAULT_SIZE, RefusalCache
 from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight
 from aiolimit._stores import default_deadline, open_store
 from aiolimit._stores.base import Store
-from aiolimit._validation import MAX_SECONDS, check_bool, check_optional_seconds
+from aiolimit._validation import MAX_SECONDS, check_bool, check_int, check_optional_seconds
 
 # acquire reserves a GCRA turn at most this far ahead (also keeps the scaled values exact).
 MAX_RESERVATION_US = 3_600_000_000
@@ -35,6 +36,8 @@ MAX_RESERVATION_US = 3_600_000_000
 #: 10 ms at first, doubling to at most 250 ms (a release in this process wakes waiters at once).
 LEASE_POLL_MIN = 0.01
 LEASE_POLL_MAX = 0.25
+#: The refusal cache holds at most this many identifiers (refusal_cache_size).
+MAX_CACHE = 10_000_000
 
 Identifiers = str | Sequence[str]
 logger = logging.getLogger("aiolimit")
@@ -51,6 +54,8 @@ class LimiterStatistics:
     waits: int
     multi_slot_decisions: int
     compensations: int
+    #: Refusals answered by the local refusal cache, without asking the store.
+    cached_refusals: int
     #: The failure policy's circuit breaker: state and counters (see ``aiolimit._failure``).
     breaker: BreakerStatistics
 
@@ -63,6 +68,13 @@ class Limiter:
     / ``RedisCluster`` client you own. ``limits`` is a list of limits for every identifier,
     or a mapping from identifier kind (the text before the first ``:``) to limits, with ``"*"``
     as the default rule.
+
+    ``cache_refusals=True`` keeps, in this process, the pairs the store just refused, and
+    refuses them again locally until their ``retry_after`` has passed (capacity only comes
+    back with time): under saturation most refusals cost a few microseconds and no round trip.
+    Refunds and resets made through this limiter drop the entries; those made by another
+    process are seen only when the entry expires (see ``aiolimit._refusals``).
+    ``refusal_cache_size`` bounds it in identifiers.
     """
 
     def __init__(
@@ -78,6 +90,8 @@ class Limiter:
         on_error: OnError = "raise",
         failure_threshold: int = 5,
         recovery_time: float = 1.0,
+        cache_refusals: bool = False,
+        refusal_cache_size: int = DEFAULT_SIZE,
     ) -> None:
         # Failure policy (aiolimit._failure): each decision gets `deadline` seconds ("auto":
         # 1 s, or 5 s on a cluster so a failover is ridden through); a store
@@ -90,6 +104,19 @@ class Limiter:
             breaker=CircuitBreaker(failure_threshold, recovery_time),
         )
         check_bool("count_refused", count_refused)
+        # cache_refusals (aiolimit._refusals): a pair the store refused is refused here,
+        # with no round trip, until its retry_after has passed.
+        check_bool("cache_refusals", cache_refusals)
+        if cache_refusals and count_refused:
+            raise ConfigurationError(
+                "cache_refusals=True cannot be combined with count_refused=True: a refusal "
+                "answered locally would not be counted as a penalty in the store"
+            )
+        self._refusals = (
+            RefusalCache(check_int("refusal_cache_size", refusal_cache_size, 1, MAX_CACHE))
+            if cache_refusals
+            else None
+        )
         self._rules = Rules(limits, check_prefix(prefix))
         self._store: Store = open_store(
             store,
@@ -174,10 +201,32 @@ class Limiter:
         return await self._try(plans, check_weight(weight, plans), 0)
 
     async def _try(self, plans: list[IdentifierPlan], weight: int, max_wait_us: int) -> Decision:
-        decision = await self._decide(ACQUIRE, plans, weight, max_wait_us)
         counts = self._counts
+        refusals = self._refusals
+        sent_at = 0.0
+        epoch = 0
+        if refusals is not None:
+            self._check_usable()
+            sent_at = self.clock.monotonic()
+            epoch = refusals.epoch
+            cached = refusals.lookup(
+                [(plan.identifier, plan.limits) for plan in plans],
+                weight,
+                max_wait_us / 1_000_000,
+                sent_at,
+            )
+            if cached is not None:
+                counts["decisions"] += 1
+                counts["refused"] += 1
+                return cached
+        decision = await self._decide(ACQUIRE, plans, weight, max_wait_us)
         counts["decisions"] += 1
-        counts["allowed" if decision.allowed else "refused"] += 1
+        if decision.allowed:
+            counts["allowed"] += 1
+        else:
+            counts["refused"] += 1
+            if refusals is not None:
+                refusals.remember(decision, weight, sent_at, epoch)
         return decision
 
     async def acquire(
@@ -272,15 +321,29 @@ class Limiter:
         weight = check_weight(weight, [])
         self._check_usable()
         self._failure.check_open()
-        async with self._failure.deadline():
-            return await self._protocol.refund(plans, weight)
+        refusals = self._refusals
+        if refusals is not None:
+            refusals.forget(plan.identifier for plan in plans)
+        try:
+            async with self._failure.deadline():
+                return await self._protocol.refund(plans, weight)
+        finally:
+            if refusals is not None:
+                refusals.forget(plan.identifier for plan in plans)
 
     async def reset(self, ids: Identifiers) -> None:
         """Forgets everything stored for these identifiers."""
         plans = self._rules.plans(ids)
         self._check_usable()
-        for plan in plans:
-            await self._store.delete(plan.keys)
+        refusals = self._refusals
+        if refusals is not None:
+            refusals.forget(plan.identifier for plan in plans)
+        try:
+            for plan in plans:
+                await self._store.delete(plan.keys)
+        finally:
+            if refusals is not None:
+                refusals.forget(plan.identifier for plan in plans)
 
     def statistics(self) -> LimiterStatistics:
         protocol = self._protocol.statistics
@@ -288,6 +351,7 @@ class Limiter:
             **self._counts,
             multi_slot_decisions=protocol.multi_slot,
             compensations=protocol.compensations,
+            cached_refusals=0 if self._refusals is None else self._refusals.hits,
             breaker=self._failure.statistics(),
         )
 
