@@ -48,12 +48,17 @@ def loop_time(deadline: float) -> float:
 SendTick = Callable[[list[Pending]], Awaitable[None]]
 
 
-class TickBatcher:
-    """Hands the calls submitted in one tick to ``send``, in chunks of ``max_batch``."""
+#: A tick's calls are split in two pipelines or more once each half has this many calls.
+MIN_SPLIT = 8
 
-    def __init__(self, send: SendTick, max_batch: int = 128) -> None:
+
+class TickBatcher:
+    """Hands the calls submitted in one tick to ``send``, in chunks of at most ``max_batch``."""
+
+    def __init__(self, send: SendTick, max_batch: int = 32, *, split: bool = True) -> None:
         self._send = send
         self.max_batch = max_batch
+        self._split = split
         self._queue: list[Pending] = []
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -71,6 +76,11 @@ class TickBatcher:
         self._queue.append(Pending(keys, args, deadline, future))
         return future
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing in flight."""
+        return not self._queue and not self._sending
+
     def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         """Runs part of a send as a task of its own, awaited by ``aclose``."""
         task = asyncio.ensure_future(coroutine)
@@ -80,7 +90,11 @@ class TickBatcher:
     def _flush(self) -> None:
         queue, self._queue = self._queue, []
         calls = [call for call in queue if not call.future.done()]  # (done: its caller gave up)
+        # At least two pipelines when there are enough calls: the server runs the first while
+        # the client packs the next and reads the replies, instead of each waiting in turn.
         size = self.max_batch
+        if self._split:
+            size = min(size, max(MIN_SPLIT, -(-len(calls) // 2)))
         for start in range(0, len(calls), size):
             self.spawn(self._send_all(calls[start : start + size]))
 

@@ -114,7 +114,7 @@ class ClusterStore(Store):
         self.address = address or client_address(client)
         self._retry = RetryStatistics()
         self._stats = ClusterStoreStatistics()
-        self._batcher = TickBatcher(self._send_tick, self.MAX_BATCH)
+        self._batcher = TickBatcher(self._send_tick, self.MAX_BATCH, split=False)
         self._set_up = False  # the client has loaded its command table once
 
     @classmethod

@@ -13,6 +13,7 @@ from aiolimit._clock import Clock, ServerClock
 from aiolimit._connection import client_address, is_noscript, map_errors, mapped
 from aiolimit._stores.base import Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher
+from aiolimit._stores.resp import command_head, pack_call, pack_calls
 
 
 class RedisStore(Store):
@@ -20,12 +21,18 @@ class RedisStore(Store):
 
     Concurrent decisions are pipelined (``batching.py``): calls made in the same event-loop
     tick leave in one pipeline. One write and one read for many decisions cut the client's
-    work per decision by more than half under load; a lone call still leaves at once, at the
-    next tick.
+    work per decision by more than half under load. A call made while nothing else is in
+    flight leaves at once from its caller's task, with no tick to wait for: a lone caller
+    pays no batching delay.
+
+    Calls are packed as RESP here (``resp.py``) and written on a connection from the
+    client's pool, one write per pipeline; hiredis parses the replies. redis-py keeps what it
+    is good at: the pool, connecting, AUTH, TLS, health checks. (Its per-command retry is
+    bypassed on purpose: a resent script call after a lost reply could charge twice.)
     """
 
     #: Calls per pipeline at most; a larger tick is split into several pipelines in flight.
-    MAX_BATCH = 128
+    MAX_BATCH = 32
 
     def __init__(self, client: Redis, *, owns_client: bool, address: str | None = None) -> None:
         self.client = client
@@ -33,8 +40,22 @@ class RedisStore(Store):
         self._script = decide_script()
         self.address = address or client_address(client)
         self._batcher = TickBatcher(self._send_tick, self.MAX_BATCH)
+        self._head = command_head("EVALSHA", self._script.sha)
+        # A client pinned to one connection (single_connection_client=True) goes through
+        # redis-py's own command path, which serialises the use of that connection.
+        self._raw = getattr(client, "connection", None) is None and not getattr(
+            client, "single_connection_client", False
+        )
+        self._direct_in_flight = 0
 
     async def run(self, calls: Sequence[ScriptCall]) -> list[Result]:
+        if len(calls) == 1 and self._direct_in_flight == 0 and self._batcher.idle:
+            # Nothing else in flight: no batch can form, so leave now.
+            self._direct_in_flight += 1
+            try:
+                return await self._execute(calls)
+            finally:
+                self._direct_in_flight -= 1
         # The decision's own timeout bounds the wait; a call still queued when it fires is
         # dropped, one already sent is not waited for.
         submit = self._batcher.submit
@@ -47,6 +68,11 @@ class RedisStore(Store):
             raise
 
     async def _send_tick(self, calls: list[Pending]) -> None:
+        for call, result in zip(calls, await self._execute(calls), strict=True):
+            call.resolve(result)
+
+    async def _execute(self, calls: Sequence[ScriptCall]) -> list[Result]:
+        """Every call's reply or error (mapped); a cancellation is raised."""
         try:
             results = await self._pipeline(calls)
             missing = [i for i, result in enumerate(results) if is_noscript(result)]
@@ -59,15 +85,15 @@ class RedisStore(Store):
                     results[i] = result
         except Exception as error:  # the connection failed: every call in it did
             failure = mapped(error, self.address)
-            for call in calls:
-                call.resolve(failure)
-            return
-        for call, result in zip(calls, results, strict=True):
-            if isinstance(result, BaseException):
-                result = mapped(result, self.address)
-            call.resolve(result)
+            return [failure for _ in calls]
+        return [
+            mapped(result, self.address) if isinstance(result, BaseException) else result
+            for result in results
+        ]
 
-    async def _pipeline(self, calls: Sequence[Pending]) -> list[Any]:
+    async def _pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        if self._raw:
+            return await self._pipeline_raw(calls)
         sha = self._script.sha
         if len(calls) == 1:
             call = calls[0]
@@ -82,6 +108,45 @@ class RedisStore(Store):
         for call in calls:
             pipe.execute_command("EVALSHA", sha, len(call.keys), *call.keys, *call.args)
         return list(await pipe.execute(raise_on_error=False))
+
+    async def _pipeline_raw(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """One write of every call, then their replies in order, on one pooled connection."""
+        pool = self.client.connection_pool
+        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            if len(calls) == 1:
+                call = calls[0]
+                packed = pack_call(self._head, 2, call.keys, call.args)
+            else:
+                packed = pack_calls(self._head, 2, calls)
+
+            async def attempt() -> list[Any]:
+                await connection.send_packed_command(packed)
+                results: list[Any] = []
+                for _ in calls:
+                    try:
+                        results.append(await connection.read_response())
+                    except ResponseError as error:  # an error reply answers that call only
+                        results.append(error)
+                return results
+
+            async def failed(error: Exception) -> None:
+                await connection.disconnect()
+
+            # The client's own retry policy, as redis-py would apply it: none for a client
+            # aiolimit made; for one passed in, the store reports `retries_calls` and the
+            # protocol gives every charging call an op id, so a resent call applies once.
+            retry = connection.retry
+            if retry is None:
+                return await attempt()
+            result: list[Any] = await retry.call_with_retry(attempt, failed)
+            return result
+        except BaseException:
+            # Replies may still be on their way: the connection cannot be reused.
+            await connection.disconnect(nowait=True)
+            raise
+        finally:
+            await pool.release(connection)
 
     async def delete(self, keys: Sequence[str]) -> None:
         with map_errors(self.address):
