@@ -99,6 +99,10 @@ def counting_commands() -> Iterator[CommandCounter]:
 
     def send_packed_command(self: Any, *args: Any, **kwargs: Any) -> Any:
         counter.writes += 1
+        if args and isinstance(args[0], bytes | bytearray):
+            # Packed by hand (aiolimit's stores write RESP themselves, bypassing pack_command).
+            for name in _packed_command_names(bytes(args[0])):
+                raw_commands[name] += 1
         return original_send(self, *args, **kwargs)  # the coroutine, unchanged
 
     AbstractConnection.pack_command = pack_command  # type: ignore[method-assign]
@@ -108,6 +112,21 @@ def counting_commands() -> Iterator[CommandCounter]:
     finally:
         AbstractConnection.pack_command = original_pack  # type: ignore[method-assign]
         AbstractConnection.send_packed_command = original_send  # type: ignore[method-assign]
+
+
+def _packed_command_names(buffer: bytes) -> Iterator[bytes]:
+    """The command names in a buffer of RESP arrays of bulk strings."""
+    at = 0
+    while at < len(buffer) and buffer[at : at + 1] == b"*":
+        end = buffer.index(b"\r\n", at)
+        count = int(buffer[at + 1 : end])
+        at = end + 2
+        for index in range(count):
+            end = buffer.index(b"\r\n", at)
+            size = int(buffer[at + 1 : end])
+            if index == 0:
+                yield buffer[end + 2 : end + 2 + size]
+            at = end + 2 + size + 2
 
 
 # -- what the server did --------------------------------------------------------------------

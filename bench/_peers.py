@@ -26,6 +26,7 @@ Keys: each adapter gets a prefix; every key it writes starts with it, so ``<pref
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ from bench._measure import Decide
 ALGORITHMS = ("sliding", "fixed", "log", "gcra")
 CONTENDERS = ("aiolimit", "limits", "pyrate", "throttled")
 #: Available by name, not run by default: pyrate without its limiter-wide asyncio.Lock.
-EXTRA_CONTENDERS = ("pyrate-direct",)
+EXTRA_CONTENDERS = ("pyrate-direct", "aiolimit-cache", "ceiling")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,11 +163,14 @@ class AiolimitContender(Contender):
         except TypeError as exc:
             raise Unsupported(f"aiolimit.TokenBucket(rate, per=, burst=) failed: {exc}") from exc
 
+    #: Extra keyword arguments for the Limiter (a variant contender sets them).
+    options: dict[str, Any] = {}  # noqa: RUF012 - read only; subclasses replace it
+
     async def open(self, identifiers: Sequence[str]) -> Decide:
         extra = {} if self._clock is None else {"clock": self._clock}
         try:
             self._limiter = self._aiolimit.Limiter(
-                self.url, self._limits, prefix=self.prefix, **extra
+                self.url, self._limits, prefix=self.prefix, **extra, **self.options
             )
         except self._aiolimit.ConfigurationError as exc:
             raise Unsupported(str(exc)) from exc
@@ -181,6 +185,99 @@ class AiolimitContender(Contender):
     async def aclose(self) -> None:
         if self._limiter is not None:
             await self._limiter.aclose()
+
+
+class AiolimitCacheContender(AiolimitContender):
+    """aiolimit with its local refusal cache (``cache_refusals=True``): see ``--saturated``."""
+
+    name = "aiolimit-cache"
+    options = {"cache_refusals": True}  # noqa: RUF012
+
+
+class CeilingContender(Contender):
+    """The ceiling for any client of aiolimit's script: the same calls (same script, keys and
+    arguments as aiolimit sends for each identifier tuple, packed once in advance) from a
+    minimal client with no limiter logic: one connection, the calls of one event-loop tick in
+    one write, replies parsed by hiredis as they arrive. No validation, op ids, decoding,
+    deadlines or failure handling. Standalone only."""
+
+    name = "ceiling"
+    impl = "aiolimit's script, pre-packed EVALSHA, one connection, hiredis"
+
+    def __init__(self, url: str, algorithm: str, limits: Sequence[Window], prefix: str) -> None:
+        super().__init__(url, algorithm, limits, prefix)
+        if _is_cluster(url):
+            raise Unsupported("the ceiling client speaks to one standalone server")
+        self._inner = AiolimitContender(url, algorithm, limits, prefix)
+        self.impl = f"{self.impl}; limits as aiolimit: {self._inner.impl}"
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task[None] | None = None
+
+    async def open(self, identifiers: Sequence[str]) -> Decide:
+        import hiredis
+        from redis.asyncio import Redis
+
+        from aiolimit._calls import ACQUIRE, decide_script, encode
+        from aiolimit._rules import Rules
+        from aiolimit._stores.resp import command_head, pack_call
+
+        script = decide_script()
+        client = Redis.from_url(_redis_url(self.url))
+        try:
+            await client.script_load(script.source)
+            host = client.connection_pool.connection_kwargs.get("host", "127.0.0.1")
+            port = client.connection_pool.connection_kwargs.get("port", 6379)
+        finally:
+            await client.aclose()
+        rules = Rules(self._inner._limits, self.prefix)
+        head = command_head("EVALSHA", script.sha)
+        packed: dict[tuple[str, ...], bytes] = {}
+
+        def packed_for(ids: tuple[str, ...]) -> bytes:
+            call = encode(ACQUIRE, rules.plans(list(ids)), 1, None, 0)
+            return pack_call(head, 2, call.keys, call.args)
+
+        reader, writer = await asyncio.open_connection(host, port)
+        self._writer = writer
+        loop = asyncio.get_running_loop()
+        waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        outgoing: list[bytes] = []
+        parser = hiredis.Reader()
+
+        async def read_replies() -> None:
+            while True:
+                data = await reader.read(1 << 16)
+                if not data:
+                    break
+                parser.feed(data)
+                while (reply := parser.gets()) is not False:
+                    waiting.popleft().set_result(reply)
+
+        self._reading = asyncio.ensure_future(read_replies())
+
+        def flush() -> None:
+            writer.write(b"".join(outgoing))
+            outgoing.clear()
+
+        async def decide(ids: tuple[str, ...]) -> bool:
+            data = packed.get(ids)
+            if data is None:
+                data = packed[ids] = packed_for(ids)
+            if not outgoing:
+                loop.call_soon(flush)
+            outgoing.append(data)
+            future = loop.create_future()
+            waiting.append(future)
+            reply = await future
+            return bool(reply[0] == 1)
+
+        return decide
+
+    async def aclose(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
+        if self._writer is not None:
+            self._writer.close()
 
 
 # -- limits ---------------------------------------------------------------------------------
@@ -403,6 +500,8 @@ _CLASSES: dict[str, type[Contender]] = {
     "pyrate": PyrateContender,
     "pyrate-direct": PyrateDirectContender,
     "throttled": ThrottledContender,
+    "aiolimit-cache": AiolimitCacheContender,
+    "ceiling": CeilingContender,
 }
 
 
@@ -413,8 +512,8 @@ def make_contender(
     """The adapter called ``name``; raises Unsupported when it cannot run ``algorithm``."""
     if name not in _CLASSES:
         raise ValueError(f"unknown contender {name!r}; known: {', '.join(_CLASSES)}")
-    if name == "aiolimit":
-        return AiolimitContender(
+    if name in ("aiolimit", "aiolimit-cache"):
+        return _CLASSES[name](  # type: ignore[call-arg]
             url, algorithm, limits, prefix, sliding_buckets=sliding_buckets, clock=clock
         )
     if clock is not None:
