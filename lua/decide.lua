@@ -130,7 +130,6 @@ local op_prune
 
 local function flush()
   for _, s in ipairs(mains) do
-    if s.dirty and op_prune then op_prune(s) end
     if s.dirty then
       local t = now_for(s)
       stage_set(s, 't', fmt(t))
@@ -142,6 +141,11 @@ local function flush()
         ttl = s.ttl_ms + slack + TTL_STEP_MS
         stage_set(s, 'x', fmt(t + ttl * 1000))
       end
+      -- Client ledgers are pruned when a new one is written (so OP_CLIENTS holds exactly)
+      -- and otherwise with the TTL, about once every TTL_STEP_MS on a busy key: idle ones
+      -- are kept for minutes, so that is soon enough, and the scan of every field is not
+      -- paid on every call.
+      if op_prune and (ttl or s.new_ledger) then op_prune(s) end
       local hset = {}
       for field, value in pairs(s.set) do
         hset[#hset + 1] = field
@@ -182,6 +186,8 @@ local function ledger(s)
     local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
     l.horizon = tonumber(horizon) or 0
     l.entries = entries or ''
+  else
+    s.new_ledger = true
   end
   s.ledger = l
   return l
