@@ -114,19 +114,16 @@ def counting_commands() -> Iterator[CommandCounter]:
         AbstractConnection.send_packed_command = original_send  # type: ignore[method-assign]
 
 
-def _packed_command_names(buffer: bytes) -> Iterator[bytes]:
-    """The command names in a buffer of RESP arrays of bulk strings."""
-    at = 0
-    while at < len(buffer) and buffer[at : at + 1] == b"*":
-        end = buffer.index(b"\r\n", at)
-        count = int(buffer[at + 1 : end])
-        at = end + 2
-        for index in range(count):
-            end = buffer.index(b"\r\n", at)
-            size = int(buffer[at + 1 : end])
-            if index == 0:
-                yield buffer[end + 2 : end + 2 + size]
-            at = end + 2 + size + 2
+def _packed_command_names(buffer: bytes) -> list[bytes]:
+    """The command names in a buffer of RESP commands packed by hand (cheaply: every command
+    in such a buffer is taken to be the first one's, as aiolimit's stores write them)."""
+    if not buffer.startswith(b"*"):
+        return []
+    head = buffer.index(b"\r\n")
+    size_end = buffer.index(b"\r\n", head + 2)
+    size = int(buffer[head + 3 : size_end])
+    name = buffer[size_end + 2 : size_end + 2 + size]
+    return [name] * (buffer.count(b"\r\n*") + 1)
 
 
 # -- what the server did --------------------------------------------------------------------

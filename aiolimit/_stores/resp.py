@@ -24,16 +24,21 @@ def command_head(*words: str) -> bytes:
     return b"".join(bulk(word.encode()) for word in words)
 
 
-def _arg(value: Arg) -> bytes:
-    if isinstance(value, bytes):
-        return b"$%d\r\n%b\r\n" % (len(value), value)
-    if isinstance(value, str):
-        data = value.encode()
-        return b"$%d\r\n%b\r\n" % (len(data), data)
-    if isinstance(value, int) and not isinstance(value, bool):
-        data = b"%d" % value
-        return b"$%d\r\n%b\r\n" % (len(data), data)
-    raise TypeError(f"a script argument must be str, int or bytes, got {type(value).__name__}")
+#: Packed keys and identifier blocks, which repeat from call to call (bounded; cleared when
+#: full). Other arguments (op ids, times) are packed each time.
+_PACKED: dict[str | bytes, bytes] = {}
+_PACKED_MAX = 10_000
+
+
+def _repeated(value: str | bytes) -> bytes:
+    packed = _PACKED.get(value)
+    if packed is None:
+        data = value.encode() if isinstance(value, str) else value
+        packed = b"$%d\r\n%b\r\n" % (len(data), data)
+        if len(_PACKED) >= _PACKED_MAX:
+            _PACKED.clear()
+        _PACKED[value] = packed
+    return packed
 
 
 def pack_call(head: bytes, head_words: int, keys: Sequence[str], args: Sequence[Arg]) -> bytes:
@@ -44,8 +49,20 @@ def pack_call(head: bytes, head_words: int, keys: Sequence[str], args: Sequence[
         head,
         b"$%d\r\n%b\r\n" % (len(count), count),
     ]
-    parts.extend(_arg(key) for key in keys)
-    parts.extend(_arg(arg) for arg in args)
+    append = parts.append
+    for key in keys:
+        append(_repeated(key))
+    for value in args:
+        if isinstance(value, bytes):
+            append(_repeated(value))
+            continue
+        if isinstance(value, str):
+            data = value.encode()
+        elif isinstance(value, int):
+            data = b"%d" % value
+        else:
+            raise TypeError(f"a script argument must be str, int or bytes, not {value!r}")
+        append(b"$%d\r\n%b\r\n" % (len(data), data))
     return b"".join(parts)
 
 
