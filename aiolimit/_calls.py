@@ -181,9 +181,42 @@ class Script:
     sha: str
 
 
+@dataclass(frozen=True, slots=True)
+class Library:
+    """The same code as a FUNCTION library (Redis 7+, Valkey): ``code`` for FUNCTION LOAD,
+    ``function`` for FCALL. Both names carry a hash of the code, so two versions of aiolimit
+    on one server each find their own, and loading one never replaces the other."""
+
+    code: str
+    name: str
+    function: str
+
+
+def _definitions() -> str:
+    base = lua_dir()
+    return "\n".join((base / name).read_text(encoding="utf-8") for name in SCRIPT_FILES)
+
+
 @cache
 def decide_script() -> Script:
-    """The decision script (built once per process)."""
-    base = lua_dir()
-    source = "\n".join((base / name).read_text(encoding="utf-8") for name in SCRIPT_FILES)
+    """The decision script for EVAL/EVALSHA (built once per process): every definition, then
+    one call of ``decide``. The server builds the definitions again on every call."""
+    source = _definitions() + "\nreturn decide(KEYS, ARGV)\n"
     return Script(source, hashlib.sha1(source.encode("utf-8")).hexdigest())
+
+
+@cache
+def decide_library() -> Library:
+    """The decision code as a FUNCTION library: the definitions are built once per server
+    (and kept across calls: the parsed identifier blocks too), and each FCALL only decides.
+    Functions are replicated and persisted by the server, unlike cached scripts."""
+    definitions = _definitions()
+    digest = hashlib.sha1(definitions.encode("utf-8")).hexdigest()[:16]
+    name = f"aiolimit_{digest}"
+    function = f"aiolimit_decide_{digest}"
+    code = (
+        f"#!lua name={name}\n{definitions}\n"
+        f"redis.register_function('{function}', function(keys, args)\n"
+        "  return decide(keys, args)\nend)\n"
+    )
+    return Library(code, name, function)

@@ -224,7 +224,22 @@ def is_redirect(error: BaseException) -> bool:
 
 
 def is_noscript(error: BaseException) -> bool:
-    return isinstance(error, redis_errors.NoScriptError)
+    """The server lacks the script (EVALSHA) or the library's function (FCALL): after a
+    flush, a restart without persistence, or on a node that never had it. Nothing ran."""
+    if isinstance(error, redis_errors.NoScriptError):
+        return True
+    return isinstance(error, redis_errors.ResponseError) and str(error).startswith(
+        "Function not found"
+    )
+
+
+def lacks_functions(error: BaseException) -> bool:
+    """FUNCTION LOAD is not available here (Redis < 7, or an ACL that forbids it)."""
+    text = str(error).lower()
+    return isinstance(error, redis_errors.ResponseError) and (
+        "unknown command" in text or "unknown subcommand" in text or "noperm" in text
+        or isinstance(error, redis_errors.NoPermissionError)
+    )  # fmt: skip
 
 
 def reason(error: BaseException) -> str:

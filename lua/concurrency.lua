@@ -51,7 +51,7 @@ FACTORIES.lease = function()
       call_batched('ZADD', pair.aux, nil, args)
       want_ttl(s, math.ceil(pair.period / 1000) + 1)
       local ttl = redis.call('PTTL', pair.aux)
-      local want = math.ceil(pair.period / 1000) + 1 + tonumber(ARGV[4])
+      local want = math.ceil(pair.period / 1000) + 1 + CALL.slack
       if ttl < want then redis.call('PEXPIRE', pair.aux, want) end
     end,
 
@@ -80,7 +80,7 @@ FACTORIES.lease = function()
         args[#args + 1] = member
       end
       call_batched('ZADD', pair.aux, 'XX', args)
-      local want = math.ceil(pair.period / 1000) + 1 + tonumber(ARGV[4])
+      local want = math.ceil(pair.period / 1000) + 1 + CALL.slack
       if redis.call('PTTL', pair.aux) < want then redis.call('PEXPIRE', pair.aux, want) end
       want_ttl(s, math.ceil(pair.period / 1000) + 1)
     end,

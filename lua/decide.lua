@@ -53,32 +53,21 @@
 --         then per pair i: allowed 1|0, remaining, retry_after µs, reset_after µs}
 --         replay is 1 when the op id had already been applied (or refunded: allowed is 0 then).
 
-local mode = ARGV[1]
-local now
-if ARGV[2] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-else
-  now = tonumber(ARGV[2])
-end
-local weight = tonumber(ARGV[3])
-local slack = tonumber(ARGV[4])
-local op = ARGV[5]
-local penalty = string.find(ARGV[6], 'p', 1, true) ~= nil
-local max_wait = tonumber(string.match(ARGV[6], 'r(%d+)')) or 0
-
-local pairs_ = {}
-local npairs = 0
-local key_base = 0
-for b = 1, tonumber(ARGV[7]) do
+-- An identifier block (see ARGV[7 + b]) parsed into its pairs' fixed parameters. Blocks repeat
+-- from call to call (the client builds each identifier's block once), so as a FUNCTION library
+-- the parse is kept, keyed by the block's text (at most BLOCK_CACHE_SIZE of them). A spec is
+-- never written to: each call copies it into a pair of its own.
+local BLOCKS, blocks_cached, BLOCK_CACHE_SIZE = {}, 0, 1024
+local function parse_block(text)
+  local block = BLOCKS[text]
+  if block then return block end
   local v = {}
-  for value in string.gmatch(ARGV[7 + b], '[^,]+') do v[#v + 1] = value end
+  for value in string.gmatch(text, '[^,]+') do v[#v + 1] = value end
+  block = {nkeys = tonumber(v[1]), specs = {}}
   local at = 3
-  for _ = 1, tonumber(v[2]) do
-    local aux = tonumber(v[at])
-    local pair = {
-      main = KEYS[key_base + 1],
-      aux = aux > 0 and KEYS[key_base + aux] or nil,
+  for i = 1, tonumber(v[2]) do
+    local spec = {
+      aux = tonumber(v[at]),
       code = v[at + 1],
       letter = string.sub(v[at + 1], 1, 1),
       algo = algorithm(v[at + 1]),
@@ -88,360 +77,401 @@ for b = 1, tonumber(ARGV[7]) do
       param_s = v[at + 4],
       param = tonumber(v[at + 4]),
     }
-    if not pair.algo then
-      return redis.error_reply('ERR aiolimit: unknown algorithm ' .. tostring(v[at + 1]))
+    if not spec.algo then
+      return nil, 'ERR aiolimit: unknown algorithm ' .. tostring(v[at + 1])
     end
-    npairs = npairs + 1
-    pairs_[npairs] = pair
+    block.specs[i] = spec
     at = at + 5
   end
-  key_base = key_base + tonumber(v[1])
+  if blocks_cached >= BLOCK_CACHE_SIZE then BLOCKS, blocks_cached = {}, 0 end
+  BLOCKS[text] = block
+  blocks_cached = blocks_cached + 1
+  return block
 end
 
--- Everything a write could trip on is checked before the first write: Redis keeps the writes
--- of a script that fails half-way, so a late error would break all or nothing.
-if not now or not weight or weight < 0 or weight % 1 ~= 0 or not slack then
-  return redis.error_reply('ERR aiolimit: bad now, weight or TTL slack')
-end
-if mode == 'acquire' and op == '' then
+-- One call. Loaded with EVAL the script ends with `return decide(KEYS, ARGV)`; as a FUNCTION
+-- library, the registered function calls it (aiolimit/_calls.py builds both from these files).
+local function decide(KEYS, ARGV)
+  loaded = {}
+  CALL.slack = tonumber(ARGV[4]) or 0
+  local mode = ARGV[1]
+  local now
+  if ARGV[2] == '' then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  else
+    now = tonumber(ARGV[2])
+  end
+  local weight = tonumber(ARGV[3])
+  local slack = tonumber(ARGV[4])
+  local op = ARGV[5]
+  local penalty = string.find(ARGV[6], 'p', 1, true) ~= nil
+  local max_wait = tonumber(string.match(ARGV[6], 'r(%d+)')) or 0
+
+  local pairs_ = {}
+  local npairs = 0
+  local key_base = 0
+  for b = 1, tonumber(ARGV[7]) do
+    local block, err = parse_block(ARGV[7 + b])
+    if not block then return redis.error_reply(err) end
+    for _, spec in ipairs(block.specs) do
+      npairs = npairs + 1
+      pairs_[npairs] = {
+        main = KEYS[key_base + 1],
+        aux = spec.aux > 0 and KEYS[key_base + spec.aux] or nil,
+        code = spec.code, letter = spec.letter, algo = spec.algo, amount = spec.amount,
+        period_s = spec.period_s, period = spec.period, param_s = spec.param_s,
+        param = spec.param,
+      }
+    end
+    key_base = key_base + block.nkeys
+  end
+
+  -- Everything a write could trip on is checked before the first write: Redis keeps the writes
+  -- of a script that fails half-way, so a late error would break all or nothing.
+  if not now or not weight or weight < 0 or weight % 1 ~= 0 or not slack then
+    return redis.error_reply('ERR aiolimit: bad now, weight or TTL slack')
+  end
+  if mode == 'acquire' and op == '' then
+    for i = 1, npairs do
+      if pairs_[i].code == 'lease' then
+        return redis.error_reply('ERR aiolimit: a lease needs an op id')
+      end
+    end
+  end
+
+  -- Each identifier judges by max(now, its last write): its time never runs backwards.
+  local mains = {}
+  local function now_for(s)
+    if s.t > now then return s.t end
+    return now
+  end
   for i = 1, npairs do
-    if pairs_[i].code == 'lease' then
-      return redis.error_reply('ERR aiolimit: a lease needs an op id')
+    local s = load_main(pairs_[i].main)
+    if not mains[s.key] then
+      mains[s.key] = s
+      mains[#mains + 1] = s
     end
+    pairs_[i].s = s
   end
-end
 
--- Each identifier judges by max(now, its last write): its time never runs backwards.
-local mains = {}
-local function now_for(s)
-  if s.t > now then return s.t end
-  return now
-end
-for i = 1, npairs do
-  local s = load_main(pairs_[i].main)
-  if not mains[s.key] then
-    mains[s.key] = s
-    mains[#mains + 1] = s
-  end
-  pairs_[i].s = s
-end
+  local op_prune
 
-local op_prune
-
-local function flush()
-  for _, s in ipairs(mains) do
-    if s.dirty then
-      local t = now_for(s)
-      stage_set(s, 't', fmt(t))
-      -- The TTL only ever needs to grow; it is set with TTL_STEP_MS to spare and the expiry
-      -- (in this key's time) kept in "x", so a busy key pays PEXPIRE about once a second.
-      local expiry = t + (s.ttl_ms + slack) * 1000
-      local ttl = nil
-      if expiry > (tonumber(s.fields['x']) or 0) then
-        ttl = s.ttl_ms + slack + TTL_STEP_MS
-        stage_set(s, 'x', fmt(t + ttl * 1000))
-      end
-      -- Client ledgers are pruned when a new one is written (so OP_CLIENTS holds exactly)
-      -- and otherwise with the TTL, about once every TTL_STEP_MS on a busy key: idle ones
-      -- are kept for minutes, so that is soon enough, and the scan of every field is not
-      -- paid on every call.
-      if op_prune and (ttl or s.new_ledger) then op_prune(s) end
-      local hset = {}
-      for field, value in pairs(s.set) do
-        hset[#hset + 1] = field
-        hset[#hset + 1] = value
-      end
-      call_batched('HSET', s.key, nil, hset)
-      local hdel = {}
-      for field, _ in pairs(s.del) do hdel[#hdel + 1] = field end
-      call_batched('HDEL', s.key, nil, hdel)
-      if ttl then redis.call('PEXPIRE', s.key, ttl) end
-    end
-  end
-end
-
--- Exactly-once bookkeeping (see ARGV[5]).
-local op_client, op_stamp, op_open, op_floor = nil, 0, {}, 0
-if op ~= '' then
-  local client, stamp, open = string.match(op, '^(%w+):(%d+):([%d,]*)$')
-  if not client then return redis.error_reply('ERR aiolimit: bad op ' .. op) end
-  op_client, op_stamp = client, tonumber(stamp)
-  op_floor = op_stamp
-  for value in string.gmatch(open, '%d+') do
-    value = tonumber(value)
-    op_open[value] = true
-    if value < op_floor then op_floor = value end
-  end
-  op = client .. ':' .. stamp
-end
-
--- This client's ledger in main key s: its horizon, and its entries as text. The entries are
--- never parsed one by one on the common path: a call's cost must not grow with the ops in
--- flight on an identifier (searches and copies of the text run in C).
-local function ledger(s)
-  if s.ledger then return s.ledger end
-  local l = {name = 'o:' .. op_client, horizon = 0, entries = ''}
-  local raw = s.fields[l.name]
-  if raw then
-    local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
-    l.horizon = tonumber(horizon) or 0
-    l.entries = entries or ''
-  else
-    s.new_ledger = true
-  end
-  s.ledger = l
-  return l
-end
-
--- What a ledger recorded for a stamp: its time (applied), false (undone), or nil (nothing).
-local function ledger_at(l, stamp)
-  local entries, key = l.entries, fmt(stamp) .. '@'
-  local from = 1
-  local at
-  while true do  -- a plain search (memchr speed), then a check that it starts an entry
-    local first, last = string.find(entries, key, from, true)
-    if not first then return nil end
-    if first == 1 or string.sub(entries, first - 1, first - 1) == ',' then
-      at = string.match(entries, '^[%d-]+', last + 1)
-      break
-    end
-    from = last + 1
-  end
-  if at == nil then return nil end
-  if at == '-' then return false end
-  return tonumber(at)
-end
-
--- What this op is to main key s: 'new', 'applied' (and when), or 'settled' (undone here,
--- or at or below the horizon: its client knows its outcome, so a copy arriving now is late).
-local function op_state(s)
-  local l = ledger(s)
-  if op_stamp <= l.horizon then return 'settled' end
-  local at = ledger_at(l, op_stamp)
-  if at == nil then return 'new' end
-  if at == false then return 'settled' end
-  return 'applied', at
-end
-
--- What this op is to the call's keys together. They are written together, but one key may
--- have expired (its ledger with it) while another lives on: 'applied' anywhere means the op
--- ran, else 'settled' anywhere means it may not run, else it is 'new'.
-local function op_state_all()
-  local settled = false
-  for _, s in ipairs(mains) do
-    local state = op_state(s)
-    if state == 'applied' then return 'applied' end
-    if state == 'settled' then settled = true end
-  end
-  if settled then return 'settled' end
-  return 'new'
-end
-
--- Records this op in main key s (time µs, or false for undone) and stages the field. The
--- horizon rises to just below the oldest open stamp, and the entries it passed go from the
--- front (they arrive in stamp order, near enough: each entry is dropped once, so this costs
--- O(1) a call over time). Entries of settled ops above the horizon stay until it passes
--- them. Past OP_KEEP_BYTES (a stuck op and much traffic behind it) the oldest entries go,
--- except the open ones the call names and the undone ones: a dropped op's undo would then
--- credit nothing, and a resent copy of it would charge again (both err toward refusing).
--- A key that records an undo lives at least OP_TOMBSTONE_MS, so a late copy finds it.
-local function op_record(s, time)
-  local l = ledger(s)
-  local horizon = l.horizon
-  if op_floor - 1 > horizon then horizon = op_floor - 1 end
-  local when = '-'
-  if time then when = fmt(time) end
-  local entry = fmt(op_stamp) .. '@' .. when
-  local entries = l.entries
-  if ledger_at(l, op_stamp) ~= nil then
-    local text = string.gsub(',' .. entries .. ',', ',' .. fmt(op_stamp) .. '@[%d-]+,',
-                             ',' .. entry .. ',', 1)
-    entries = string.sub(text, 2, -2)
-  elseif entries == '' then
-    entries = entry
-  else
-    entries = entries .. ',' .. entry
-  end
-  local cut = 1
-  while true do
-    local _, last, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
-    if not last or tonumber(stamp) > horizon then break end
-    cut = last + 1
-  end
-  if cut > 1 then entries = string.sub(entries, cut) end
-  if #entries > OP_KEEP_BYTES then
-    local kept, size = {}, 0
-    local all = {}
-    for stamp, at in string.gmatch(entries, '(%d+)@([%d-]+)') do
-      all[#all + 1] = {tonumber(stamp), stamp .. '@' .. at, at == '-'}
-    end
-    for i = #all, 1, -1 do  -- newest first: keep what fits, and always the protected
-      local e = all[i]
-      if e[1] > horizon and (size < OP_KEEP_BYTES / 2 or op_open[e[1]] or e[3]) then
-        kept[#kept + 1] = e
-        size = size + #e[2] + 1
-      end
-    end
-    table.sort(kept, function(x, y) return x[1] < y[1] end)
-    local text = {}
-    for i, e in ipairs(kept) do text[i] = e[2] end
-    entries = table.concat(text, ',')
-  end
-  l.horizon, l.entries = horizon, entries
-  stage_set(s, l.name, fmt(now) .. ';' .. fmt(horizon) .. ';' .. entries)
-  if time == false then want_ttl(s, OP_TOMBSTONE_MS) end
-end
-
--- Drops client fields idle for OP_RETENTION_MS (their clients are gone).
--- Beyond OP_CLIENTS fields, the least recently written go (a fleet of short-lived workers
--- must not pile up ledgers in a busy key); a dropped ledger can only make an undo of its
--- client credit nothing, erring toward refusing.
-op_prune = function(s)
-  local live = {}
-  for name, value in pairs(s.fields) do
-    if string.sub(name, 1, 2) == 'o:' then
-      local last = tonumber(string.match(value, '^(%d+);')) or 0
-      if last + OP_RETENTION_MS * 1000 < now then
-        stage_del(s, name)
-      else
-        live[#live + 1] = {name = name, last = last}
-      end
-    end
-  end
-  if #live > OP_CLIENTS then
-    table.sort(live, function(a, b) return a.last < b.last end)
-    for i = 1, #live - OP_CLIENTS do
-      if not (op_client and live[i].name == 'o:' .. op_client) then stage_del(s, live[i].name) end
-    end
-  end
-end
-
-local function decide_all(w)
-  local reply = {0, 0, now}
-  local all = true
-  for i, pair in ipairs(pairs_) do
-    local ok, remaining, retry, reset = pair.algo.check(pair.s, pair, now_for(pair.s), w, max_wait)
-    if not ok then all = false end
-    local base = 4 + 4 * (i - 1)
-    reply[base] = ok and 1 or 0
-    reply[base + 1] = remaining
-    reply[base + 2] = retry
-    reply[base + 3] = reset
-  end
-  reply[1] = all and 1 or 0
-  if not all and w > 0 then
-    -- Refused: nothing is charged, so the pairs that would allow report their state as it
-    -- is (an allowing check reports the state after its charge).
-    for i, pair in ipairs(pairs_) do
-      local base = 4 + 4 * (i - 1)
-      if reply[base] == 1 then
-        local _, remaining, _, reset = pair.algo.check(pair.s, pair, now_for(pair.s), 0, 0)
-        reply[base + 1] = remaining
-        reply[base + 3] = reset
-      end
-    end
-  end
-  return reply, all
-end
-
-if mode == 'check' then
-  local reply = decide_all(weight)
-  return reply
-end
-
-if mode == 'acquire' then
-  if op_client then
-    local state = op_state_all()
-    if state ~= 'new' then
-      local reply = decide_all(weight)
-      reply[1] = state == 'applied' and 1 or 0
-      reply[2] = 1
-      return reply
-    end
-  end
-  local reply, all = decide_all(weight)
-  if all or penalty then
-    for _, pair in ipairs(pairs_) do
-      if all or not pair.algo.penalty_free then
-        pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op, all and max_wait > 0,
-                         not all)
-      end
-    end
-    if op_client then
-      for _, s in ipairs(mains) do op_record(s, now_for(s)) end
-    end
-    flush()
-  end
-  -- An algorithm's check, when it allows, already reports the state after the charge.
-  return reply
-end
-
-if mode == 'refund' or mode == 'undo' then
-  if mode == 'undo' and not op_client then
-    return redis.error_reply('ERR aiolimit: undo needs an op id')
-  end
-  local replay = 0
-  local at = {}
-  if op_client then
-    local state = op_state_all()
-    if mode == 'refund' and state ~= 'new' then
-      replay = 1
-    elseif mode == 'undo' then
-      if state == 'applied' then
-        -- Credit each key at the time the op charged it; a key that lost its entry (it
-        -- expired since) lost that charge with it: nothing to credit there.
-        for _, s in ipairs(mains) do
-          local kind, charged = op_state(s)
-          if kind == 'applied' then at[s.key] = charged end
+  local function flush()
+    for _, s in ipairs(mains) do
+      if s.dirty then
+        local t = now_for(s)
+        stage_set(s, 't', fmt(t))
+        -- The TTL only ever needs to grow; it is set with TTL_STEP_MS to spare and the expiry
+        -- (in this key's time) kept in "x", so a busy key pays PEXPIRE about once a second.
+        local expiry = t + (s.ttl_ms + slack) * 1000
+        local ttl = nil
+        if expiry > (tonumber(s.fields['x']) or 0) then
+          ttl = s.ttl_ms + slack + TTL_STEP_MS
+          stage_set(s, 'x', fmt(t + ttl * 1000))
         end
-      else
-        replay = 1
-      end
-      -- Undone here: a late or resent copy of the op cannot charge any more.
-      if state ~= 'settled' then
-        for _, s in ipairs(mains) do op_record(s, false) end
-      end
-    end
-  end
-  if replay == 0 then
-    for _, pair in ipairs(pairs_) do
-      if mode == 'refund' or at[pair.s.key] then
-        pair.algo.refund(pair.s, pair, now_for(pair.s), weight, at[pair.s.key], op)
-      end
-    end
-    if mode == 'refund' and op_client then  -- (a key that did not exist has nothing to refund)
-      for _, s in ipairs(mains) do
-        if s.existed then op_record(s, now_for(s)) end
+        -- Client ledgers are pruned when a new one is written (so OP_CLIENTS holds exactly)
+        -- and otherwise with the TTL, about once every TTL_STEP_MS on a busy key: idle ones
+        -- are kept for minutes, so that is soon enough, and the scan of every field is not
+        -- paid on every call.
+        if op_prune and (ttl or s.new_ledger) then op_prune(s) end
+        local hset = {}
+        for field, value in pairs(s.set) do
+          hset[#hset + 1] = field
+          hset[#hset + 1] = value
+        end
+        call_batched('HSET', s.key, nil, hset)
+        local hdel = {}
+        for field, _ in pairs(s.del) do hdel[#hdel + 1] = field end
+        call_batched('HDEL', s.key, nil, hdel)
+        if ttl then redis.call('PEXPIRE', s.key, ttl) end
       end
     end
   end
-  flush()
-  -- The state after the refund, as a request of weight 0 sees it.
-  local reply = decide_all(0)
-  reply[2] = replay
-  return reply
-end
 
-if mode == 'release' or mode == 'renew' then
-  if op == '' then return redis.error_reply('ERR aiolimit: ' .. mode .. ' needs an op id') end
-  -- renew must find every lease of the op still live: one that expired may be another
-  -- holder's slot by now, so it is not brought back (the reply's allowed is 0 then).
-  local held = true
-  if mode == 'renew' then
-    for _, pair in ipairs(pairs_) do
-      if pair.algo.held and not pair.algo.held(pair, now_for(pair.s), op) then held = false end
+  -- Exactly-once bookkeeping (see ARGV[5]).
+  local op_client, op_stamp, op_open, op_floor = nil, 0, {}, 0
+  if op ~= '' then
+    local client, stamp, open = string.match(op, '^(%w+):(%d+):([%d,]*)$')
+    if not client then return redis.error_reply('ERR aiolimit: bad op ' .. op) end
+    op_client, op_stamp = client, tonumber(stamp)
+    op_floor = op_stamp
+    for value in string.gmatch(open, '%d+') do
+      value = tonumber(value)
+      op_open[value] = true
+      if value < op_floor then op_floor = value end
+    end
+    op = client .. ':' .. stamp
+  end
+
+  -- This client's ledger in main key s: its horizon, and its entries as text. The entries are
+  -- never parsed one by one on the common path: a call's cost must not grow with the ops in
+  -- flight on an identifier (searches and copies of the text run in C).
+  local function ledger(s)
+    if s.ledger then return s.ledger end
+    local l = {name = 'o:' .. op_client, horizon = 0, entries = ''}
+    local raw = s.fields[l.name]
+    if raw then
+      local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
+      l.horizon = tonumber(horizon) or 0
+      l.entries = entries or ''
+    else
+      s.new_ledger = true
+    end
+    s.ledger = l
+    return l
+  end
+
+  -- What a ledger recorded for a stamp: its time (applied), false (undone), or nil (nothing).
+  local function ledger_at(l, stamp)
+    local entries, key = l.entries, fmt(stamp) .. '@'
+    local from = 1
+    local at
+    while true do  -- a plain search (memchr speed), then a check that it starts an entry
+      local first, last = string.find(entries, key, from, true)
+      if not first then return nil end
+      if first == 1 or string.sub(entries, first - 1, first - 1) == ',' then
+        at = string.match(entries, '^[%d-]+', last + 1)
+        break
+      end
+      from = last + 1
+    end
+    if at == nil then return nil end
+    if at == '-' then return false end
+    return tonumber(at)
+  end
+
+  -- What this op is to main key s: 'new', 'applied' (and when), or 'settled' (undone here,
+  -- or at or below the horizon: its client knows its outcome, so a copy arriving now is late).
+  local function op_state(s)
+    local l = ledger(s)
+    if op_stamp <= l.horizon then return 'settled' end
+    local at = ledger_at(l, op_stamp)
+    if at == nil then return 'new' end
+    if at == false then return 'settled' end
+    return 'applied', at
+  end
+
+  -- What this op is to the call's keys together. They are written together, but one key may
+  -- have expired (its ledger with it) while another lives on: 'applied' anywhere means the op
+  -- ran, else 'settled' anywhere means it may not run, else it is 'new'.
+  local function op_state_all()
+    local settled = false
+    for _, s in ipairs(mains) do
+      local state = op_state(s)
+      if state == 'applied' then return 'applied' end
+      if state == 'settled' then settled = true end
+    end
+    if settled then return 'settled' end
+    return 'new'
+  end
+
+  -- Records this op in main key s (time µs, or false for undone) and stages the field. The
+  -- horizon rises to just below the oldest open stamp, and the entries it passed go from the
+  -- front (they arrive in stamp order, near enough: each entry is dropped once, so this costs
+  -- O(1) a call over time). Entries of settled ops above the horizon stay until it passes
+  -- them. Past OP_KEEP_BYTES (a stuck op and much traffic behind it) the oldest entries go,
+  -- except the open ones the call names and the undone ones: a dropped op's undo would then
+  -- credit nothing, and a resent copy of it would charge again (both err toward refusing).
+  -- A key that records an undo lives at least OP_TOMBSTONE_MS, so a late copy finds it.
+  local function op_record(s, time)
+    local l = ledger(s)
+    local horizon = l.horizon
+    if op_floor - 1 > horizon then horizon = op_floor - 1 end
+    local when = '-'
+    if time then when = fmt(time) end
+    local entry = fmt(op_stamp) .. '@' .. when
+    local entries = l.entries
+    if ledger_at(l, op_stamp) ~= nil then
+      local text = string.gsub(',' .. entries .. ',', ',' .. fmt(op_stamp) .. '@[%d-]+,',
+                               ',' .. entry .. ',', 1)
+      entries = string.sub(text, 2, -2)
+    elseif entries == '' then
+      entries = entry
+    else
+      entries = entries .. ',' .. entry
+    end
+    local cut = 1
+    while true do
+      local _, last, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
+      if not last or tonumber(stamp) > horizon then break end
+      cut = last + 1
+    end
+    if cut > 1 then entries = string.sub(entries, cut) end
+    if #entries > OP_KEEP_BYTES then
+      local kept, size = {}, 0
+      local all = {}
+      for stamp, at in string.gmatch(entries, '(%d+)@([%d-]+)') do
+        all[#all + 1] = {tonumber(stamp), stamp .. '@' .. at, at == '-'}
+      end
+      for i = #all, 1, -1 do  -- newest first: keep what fits, and always the protected
+        local e = all[i]
+        if e[1] > horizon and (size < OP_KEEP_BYTES / 2 or op_open[e[1]] or e[3]) then
+          kept[#kept + 1] = e
+          size = size + #e[2] + 1
+        end
+      end
+      table.sort(kept, function(x, y) return x[1] < y[1] end)
+      local text = {}
+      for i, e in ipairs(kept) do text[i] = e[2] end
+      entries = table.concat(text, ',')
+    end
+    l.horizon, l.entries = horizon, entries
+    stage_set(s, l.name, fmt(now) .. ';' .. fmt(horizon) .. ';' .. entries)
+    if time == false then want_ttl(s, OP_TOMBSTONE_MS) end
+  end
+
+  -- Drops client fields idle for OP_RETENTION_MS (their clients are gone).
+  -- Beyond OP_CLIENTS fields, the least recently written go (a fleet of short-lived workers
+  -- must not pile up ledgers in a busy key); a dropped ledger can only make an undo of its
+  -- client credit nothing, erring toward refusing.
+  op_prune = function(s)
+    local live = {}
+    for name, value in pairs(s.fields) do
+      if string.sub(name, 1, 2) == 'o:' then
+        local last = tonumber(string.match(value, '^(%d+);')) or 0
+        if last + OP_RETENTION_MS * 1000 < now then
+          stage_del(s, name)
+        else
+          live[#live + 1] = {name = name, last = last}
+        end
+      end
+    end
+    if #live > OP_CLIENTS then
+      table.sort(live, function(a, b) return a.last < b.last end)
+      for i = 1, #live - OP_CLIENTS do
+        if not (op_client and live[i].name == 'o:' .. op_client) then stage_del(s, live[i].name) end
+      end
     end
   end
-  if held then
-    for _, pair in ipairs(pairs_) do
-      local action = pair.algo[mode]
-      if action then action(pair.s, pair, now_for(pair.s), weight, op) end
+
+  local function decide_all(w)
+    local reply = {0, 0, now}
+    local all = true
+    for i, pair in ipairs(pairs_) do
+      local ok, remaining, retry, reset = pair.algo.check(pair.s, pair, now_for(pair.s), w, max_wait)
+      if not ok then all = false end
+      local base = 4 + 4 * (i - 1)
+      reply[base] = ok and 1 or 0
+      reply[base + 1] = remaining
+      reply[base + 2] = retry
+      reply[base + 3] = reset
+    end
+    reply[1] = all and 1 or 0
+    if not all and w > 0 then
+      -- Refused: nothing is charged, so the pairs that would allow report their state as it
+      -- is (an allowing check reports the state after its charge).
+      for i, pair in ipairs(pairs_) do
+        local base = 4 + 4 * (i - 1)
+        if reply[base] == 1 then
+          local _, remaining, _, reset = pair.algo.check(pair.s, pair, now_for(pair.s), 0, 0)
+          reply[base + 1] = remaining
+          reply[base + 3] = reset
+        end
+      end
+    end
+    return reply, all
+  end
+
+  if mode == 'check' then
+    local reply = decide_all(weight)
+    return reply
+  end
+
+  if mode == 'acquire' then
+    if op_client then
+      local state = op_state_all()
+      if state ~= 'new' then
+        local reply = decide_all(weight)
+        reply[1] = state == 'applied' and 1 or 0
+        reply[2] = 1
+        return reply
+      end
+    end
+    local reply, all = decide_all(weight)
+    if all or penalty then
+      for _, pair in ipairs(pairs_) do
+        if all or not pair.algo.penalty_free then
+          pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op, all and max_wait > 0,
+                           not all)
+        end
+      end
+      if op_client then
+        for _, s in ipairs(mains) do op_record(s, now_for(s)) end
+      end
+      flush()
+    end
+    -- An algorithm's check, when it allows, already reports the state after the charge.
+    return reply
+  end
+
+  if mode == 'refund' or mode == 'undo' then
+    if mode == 'undo' and not op_client then
+      return redis.error_reply('ERR aiolimit: undo needs an op id')
+    end
+    local replay = 0
+    local at = {}
+    if op_client then
+      local state = op_state_all()
+      if mode == 'refund' and state ~= 'new' then
+        replay = 1
+      elseif mode == 'undo' then
+        if state == 'applied' then
+          -- Credit each key at the time the op charged it; a key that lost its entry (it
+          -- expired since) lost that charge with it: nothing to credit there.
+          for _, s in ipairs(mains) do
+            local kind, charged = op_state(s)
+            if kind == 'applied' then at[s.key] = charged end
+          end
+        else
+          replay = 1
+        end
+        -- Undone here: a late or resent copy of the op cannot charge any more.
+        if state ~= 'settled' then
+          for _, s in ipairs(mains) do op_record(s, false) end
+        end
+      end
+    end
+    if replay == 0 then
+      for _, pair in ipairs(pairs_) do
+        if mode == 'refund' or at[pair.s.key] then
+          pair.algo.refund(pair.s, pair, now_for(pair.s), weight, at[pair.s.key], op)
+        end
+      end
+      if mode == 'refund' and op_client then  -- (a key that did not exist has nothing to refund)
+        for _, s in ipairs(mains) do
+          if s.existed then op_record(s, now_for(s)) end
+        end
+      end
     end
     flush()
+    -- The state after the refund, as a request of weight 0 sees it.
+    local reply = decide_all(0)
+    reply[2] = replay
+    return reply
   end
-  local reply = decide_all(0)
-  if not held then reply[1] = 0 end
-  return reply
-end
 
-return redis.error_reply('ERR aiolimit: unknown mode ' .. tostring(mode))
+  if mode == 'release' or mode == 'renew' then
+    if op == '' then return redis.error_reply('ERR aiolimit: ' .. mode .. ' needs an op id') end
+    -- renew must find every lease of the op still live: one that expired may be another
+    -- holder's slot by now, so it is not brought back (the reply's allowed is 0 then).
+    local held = true
+    if mode == 'renew' then
+      for _, pair in ipairs(pairs_) do
+        if pair.algo.held and not pair.algo.held(pair, now_for(pair.s), op) then held = false end
+      end
+    end
+    if held then
+      for _, pair in ipairs(pairs_) do
+        local action = pair.algo[mode]
+        if action then action(pair.s, pair, now_for(pair.s), weight, op) end
+      end
+      flush()
+    end
+    local reply = decide_all(0)
+    if not held then reply[1] = 0 end
+    return reply
+  end
+
+  return redis.error_reply('ERR aiolimit: unknown mode ' .. tostring(mode))
+end

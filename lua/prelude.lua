@@ -11,6 +11,10 @@
 -- Times are integers in microseconds; they are never formatted with tostring (Lua 5.1 would
 -- print 1.7e+15), always with string.format('%d').
 
+-- Loaded as a FUNCTION library (Redis 7+, Valkey) everything up to decide() is built once per
+-- server and kept between calls; run with EVAL it is built on every call. So state that
+-- belongs to one call lives only in CALL and `loaded`, which decide() resets first.
+local CALL = {slack = 0}  -- this call's TTL slack, ms (ARGV[4])
 local ALGORITHMS = {}  -- code -> {check, charge, refund[, release, renew]}
 local FACTORIES = {}  -- code -> function building that table
 
@@ -55,7 +59,7 @@ end
 
 -- Loads a main key once per script call. Algorithms read `fields` and stage writes in `set`
 -- and `del`; decide.lua flushes them with one HSET, one HDEL and one PEXPIRE per key.
-local loaded = {}
+local loaded = {}  -- reset by decide() at the start of every call
 local function load_main(key)
   local s = loaded[key]
   if s then return s end

@@ -112,7 +112,7 @@ FACTORIES.log = function()
       end
       local ttl = math.ceil(pair.period / 1000) + 1
       want_ttl(s, ttl)
-      redis.call('PEXPIRE', pair.aux, ttl + tonumber(ARGV[4]))
+      redis.call('PEXPIRE', pair.aux, ttl + CALL.slack)
     end,
 
     -- Without `at`: the newest units first, never below zero. With `at` (undo): only what
@@ -159,7 +159,7 @@ FACTORIES.log = function()
   local refund_entries = log.refund
   log.refund = function(s, pair, now, weight, at)
     refund_entries(s, pair, now, weight, at)
-    redis.call('PEXPIRE', pair.aux, math.ceil(pair.period / 1000) + 1 + tonumber(ARGV[4]))
+    redis.call('PEXPIRE', pair.aux, math.ceil(pair.period / 1000) + 1 + CALL.slack)
   end
   return log
 end

@@ -38,6 +38,51 @@ async def test_script_flush_mid_load_costs_no_error_and_no_double_charge(
             await admin.aclose()
 
 
+async def test_function_flush_mid_load_costs_no_error_and_no_double_charge(
+    redis_url: str, prefix: str
+) -> None:
+    """FUNCTION FLUSH between batches (the library is gone, as on a fresh node): every call
+    loads it again and runs once; counts stay exact."""
+    admin = redis.Redis.from_url(redis_url)
+    async with Limiter(redis_url, [Limit(1000, per=3600)], prefix=prefix) as limiter:
+        try:
+            await limiter.peek("ip:fflush")
+            libraries = await admin.execute_command("FUNCTION", "LIST", "LIBRARYNAME", "aiolimit_*")
+            assert libraries, "a Redis 7 server runs the decision as a FUNCTION library"
+            for _ in range(5):
+                await admin.function_flush()
+                decisions = await asyncio.gather(
+                    *(limiter.try_acquire("ip:fflush") for _ in range(40))
+                )
+                assert all(d.allowed for d in decisions)
+            final = await limiter.peek("ip:fflush")
+            assert final.remaining == 1000 - 200 - 1
+        finally:
+            await admin.aclose()
+
+
+async def test_a_user_without_function_rights_falls_back_to_evalsha(
+    redis_url: str, prefix: str
+) -> None:
+    """An ACL user who may not run FUNCTION (NOPERM) still gets exact decisions: the store
+    falls back to EVALSHA of the same code."""
+    admin = redis.Redis.from_url(redis_url)
+    user = f"nofunc-{prefix}"
+    await admin.acl_setuser(
+        user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-function"]
+    )
+    limited = redis.Redis.from_url(redis_url, username=user, password="pw")
+    try:
+        async with Limiter(limited, [Limit(3, per=3600)], prefix=prefix) as limiter:
+            decisions = [await limiter.try_acquire("ip:acl") for _ in range(5)]
+            assert [d.allowed for d in decisions] == [True, True, True, False, False]
+            assert limiter.store._words[0] == "EVALSHA"  # type: ignore[attr-defined]
+    finally:
+        await limited.aclose()
+        await admin.acl_deluser(user)
+        await admin.aclose()
+
+
 async def test_many_concurrent_decisions_share_pipelines_exactly(
     redis_url: str, prefix: str
 ) -> None:

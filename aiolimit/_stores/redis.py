@@ -8,16 +8,23 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from aiolimit._calls import decide_script
+from aiolimit._calls import decide_library, decide_script
 from aiolimit._clock import Clock, ServerClock
-from aiolimit._connection import client_address, is_noscript, map_errors, mapped
+from aiolimit._connection import (
+    client_address,
+    is_noscript,
+    lacks_functions,
+    map_errors,
+    mapped,
+)
 from aiolimit._stores.base import Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher
 from aiolimit._stores.resp import command_head, pack_call, pack_calls
 
 
 class RedisStore(Store):
-    """Runs the decision script on one Redis server with EVALSHA, loading it on NOSCRIPT.
+    """Runs the decision code on one Redis server: FCALL of aiolimit's FUNCTION library where
+    the server has FUNCTION (Redis 7+, Valkey), else EVALSHA; loaded again when missing.
 
     Concurrent decisions are pipelined (``batching.py``): calls made in the same event-loop
     tick leave in one pipeline. One write and one read for many decisions cut the client's
@@ -40,7 +47,11 @@ class RedisStore(Store):
         self._script = decide_script()
         self.address = address or client_address(client)
         self._batcher = TickBatcher(self._send_tick, self.MAX_BATCH)
-        self._head = command_head("EVALSHA", self._script.sha)
+        self._library = decide_library()
+        # How calls are made, chosen at the first call: FCALL of the library's function where
+        # the server has FUNCTION (Redis 7+, Valkey), else EVALSHA of the script.
+        self._words: tuple[str, str] | None = None
+        self._head = b""
         # A client pinned to one connection (single_connection_client=True) goes through
         # redis-py's own command path, which serialises the use of that connection.
         self._raw = getattr(client, "connection", None) is None and not getattr(
@@ -74,12 +85,15 @@ class RedisStore(Store):
     async def _execute(self, calls: Sequence[ScriptCall]) -> list[Result]:
         """Every call's reply or error (mapped); a cancellation is raised."""
         try:
+            if self._words is None:
+                await self._load()
             results = await self._pipeline(calls)
             missing = [i for i, result in enumerate(results) if is_noscript(result)]
             if missing:
-                # After SCRIPT FLUSH, a restart or a failover: load it and run those calls
-                # again. A call refused with NOSCRIPT ran nothing, so none is charged twice.
-                await self.client.script_load(self._script.source)
+                # After a flush, a restart or a failover: load it and run those calls again.
+                # A call refused for a missing script or function ran nothing, so none is
+                # charged twice.
+                await self._load()
                 again = await self._pipeline([calls[i] for i in missing])
                 for i, result in zip(missing, again, strict=True):
                     results[i] = result
@@ -91,22 +105,49 @@ class RedisStore(Store):
             for result in results
         ]
 
+    async def _load(self) -> None:
+        """Loads the library (or, where FUNCTION is missing, the script) and sets how calls
+        are made. Loading again what is there already is harmless."""
+        client = self.client
+        if self._words != ("EVALSHA", self._script.sha):
+            try:
+                await client.execute_command(  # type: ignore[no-untyped-call]
+                    "FUNCTION", "LOAD", self._library.code
+                )
+            except ResponseError as error:
+                if lacks_functions(error):
+                    self._words = None  # the script below, from now on
+                elif "already exists" not in str(error):
+                    raise
+                else:
+                    self._use("FCALL", self._library.function)
+                    return
+            else:
+                self._use("FCALL", self._library.function)
+                return
+        await client.script_load(self._script.source)
+        self._use("EVALSHA", self._script.sha)
+
+    def _use(self, command: str, name: str) -> None:
+        self._words = (command, name)
+        self._head = command_head(command, name)
+
     async def _pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
         if self._raw:
             return await self._pipeline_raw(calls)
-        sha = self._script.sha
+        assert self._words is not None
         if len(calls) == 1:
             call = calls[0]
             try:
                 reply = await self.client.execute_command(  # type: ignore[no-untyped-call]
-                    "EVALSHA", sha, len(call.keys), *call.keys, *call.args
+                    *self._words, len(call.keys), *call.keys, *call.args
                 )
             except ResponseError as error:
                 return [error]
             return [reply]
         pipe = self.client.pipeline(transaction=False)
         for call in calls:
-            pipe.execute_command("EVALSHA", sha, len(call.keys), *call.keys, *call.args)
+            pipe.execute_command(*self._words, len(call.keys), *call.keys, *call.args)
         return list(await pipe.execute(raise_on_error=False))
 
     async def _pipeline_raw(self, calls: Sequence[ScriptCall]) -> list[Any]:
