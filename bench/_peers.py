@@ -202,7 +202,7 @@ class CeilingContender(Contender):
     deadlines or failure handling. Standalone only."""
 
     name = "ceiling"
-    impl = "aiolimit's script, pre-packed EVALSHA, one connection, hiredis"
+    impl = "aiolimit's script, pre-packed FCALL/EVALSHA, one connection, hiredis"
 
     def __init__(self, url: str, algorithm: str, limits: Sequence[Window], prefix: str) -> None:
         super().__init__(url, algorithm, limits, prefix)
@@ -216,21 +216,27 @@ class CeilingContender(Contender):
     async def open(self, identifiers: Sequence[str]) -> Decide:
         import hiredis
         from redis.asyncio import Redis
+        from redis.exceptions import ResponseError
 
-        from aiolimit._calls import ACQUIRE, decide_script, encode
+        from aiolimit._calls import ACQUIRE, decide_library, decide_script, encode
         from aiolimit._rules import Rules
         from aiolimit._stores.resp import command_head, pack_call
 
-        script = decide_script()
+        script, library = decide_script(), decide_library()
         client = Redis.from_url(_redis_url(self.url))
         try:
-            await client.script_load(script.source)
+            # As aiolimit calls it: FCALL where the server has FUNCTION, else EVALSHA.
+            try:
+                await client.execute_command("FUNCTION", "LOAD", "REPLACE", library.code)
+                head = command_head("FCALL", library.function)
+            except ResponseError:
+                await client.script_load(script.source)
+                head = command_head("EVALSHA", script.sha)
             host = client.connection_pool.connection_kwargs.get("host", "127.0.0.1")
             port = client.connection_pool.connection_kwargs.get("port", 6379)
         finally:
             await client.aclose()
         rules = Rules(self._inner._limits, self.prefix)
-        head = command_head("EVALSHA", script.sha)
         packed: dict[tuple[str, ...], bytes] = {}
 
         def packed_for(ids: tuple[str, ...]) -> bytes:
