@@ -33,8 +33,10 @@ CHUNK = 65536
 
 
 def script_calls(data: bytes) -> int:
-    """Script calls (EVALSHA / EVAL commands) in a client->server chunk of RESP."""
-    return data.count(b"\r\nEVALSHA\r\n") + data.count(b"\r\nEVAL\r\n")
+    """Script calls (FCALL / EVALSHA / EVAL commands) in a client->server chunk of RESP."""
+    return (
+        data.count(b"\r\nFCALL\r\n") + data.count(b"\r\nEVALSHA\r\n") + data.count(b"\r\nEVAL\r\n")
+    )
 
 
 class Link:

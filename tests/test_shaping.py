@@ -120,13 +120,17 @@ async def test_token_bucket_crowd_ends_after_exactly_nine_turns(prefix: str) -> 
 async def test_window_crowd_retries_as_a_herd(
     store_url: str, prefix: str, limit: Limit, decisions: int, waits: int
 ) -> None:
-    """A window limit cannot reserve: its 10 waiters all pass, at the cost of repeated calls."""
+    """A window limit cannot reserve: its 10 waiters all pass, at the cost of repeated calls
+    (about the herd's count: on Redis a call that finds nothing in flight leaves at once, so
+    one waiter may win a round before the others have asked, saving a retry or two)."""
     clock = ManualClock(start=START, autojump=True)
     async with Limiter(store_url, [limit], prefix=prefix, clock=clock) as limiter:
         results = await crowd(limiter, clock, 10, timeout=60)
         assert all(isinstance(r, Decision) and r.allowed for r in results)
         stats = limiter.statistics()
-        assert (stats.decisions, stats.allowed, stats.waits) == (decisions, 10, waits)
+        assert stats.allowed == 10
+        assert stats.waits == stats.decisions - 10
+        assert decisions - 2 <= stats.decisions <= decisions, (stats.decisions, waits)
 
 
 async def test_timeout_reserves_only_turns_within_it(store_url: str, prefix: str) -> None:
