@@ -21,7 +21,7 @@ from aiolimit._errors import (
 )
 from aiolimit._lease import Lease
 from aiolimit._limiter import Acquisition, Limiter, LimiterStatistics
-from aiolimit._limits import BaseLimit, Limit
+from aiolimit._limits import BaseLimit, Limit, parse_limits
 
 __all__ = [
     "Acquisition",
@@ -50,5 +50,6 @@ __all__ = [
     "TokenBucket",
     "UsageError",
     "WeightNeverFits",
+    "parse_limits",
 ]
 __version__ = "0.1.0"

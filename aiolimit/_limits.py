@@ -13,12 +13,22 @@ from typing import TYPE_CHECKING, ClassVar
 from aiolimit._errors import ConfigurationError
 from aiolimit._validation import MAX_AMOUNT, MAX_SECONDS, check_int, check_seconds
 
+# Units of a limit string. Weeks, months and years are fixed lengths, not calendar ones: a
+# month is 30 days and a year 365 days (as `limits` counts them), and "m" is a minute.
 _UNITS = {
-    "s": 1, "sec": 1, "second": 1, "seconds": 1,
-    "m": 60, "min": 60, "minute": 60, "minutes": 60,
-    "h": 3600, "hr": 3600, "hour": 3600, "hours": 3600,
+    "s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1,
+    "m": 60, "min": 60, "mins": 60, "minute": 60, "minutes": 60,
+    "h": 3600, "hr": 3600, "hrs": 3600, "hour": 3600, "hours": 3600,
     "d": 86400, "day": 86400, "days": 86400,
+    "w": 604800, "wk": 604800, "week": 604800, "weeks": 604800,
+    "mo": 2592000, "month": 2592000, "months": 2592000,
+    "y": 31536000, "yr": 31536000, "year": 31536000, "years": 31536000,
 }  # fmt: skip
+GRAMMAR = (
+    "'<amount>/<unit>', '<amount>/<n><unit>' or '<amount> per [<n>] <unit>', several joined by "
+    "';' or ',' (e.g. '10/second;100/minute'); units: second, minute, hour, day, week (7 days), "
+    "month (30 days), year (365 days), also s, sec, m, min, h, hr, d, w, mo, y and plurals"
+)
 _PARSE = re.compile(
     r"^\s*(?P<amount>\d+)\s*(?:/|per)\s*(?P<count>\d+(?:\.\d+)?)?\s*(?P<unit>[a-z]+)\s*$",
     re.IGNORECASE,
@@ -132,14 +142,12 @@ class Limit(BaseLimit):
 
     @classmethod
     def parse(cls, text: str) -> Limit:
-        """``"10/second"``, ``"120/minute"``, ``"240 per hour"``, ``"5/10s"``, ``"1000/day"``."""
+        """One limit: ``"10/second"``, ``"120/minute"``, ``"240 per hour"``, ``"5/10s"``,
+        ``"1000/day"``, ``"10000/week"``. For several in one string see ``parse_limits``."""
         match = _PARSE.match(text) if isinstance(text, str) else None
         unit = _UNITS.get(match["unit"].lower()) if match else None
         if match is None or unit is None:
-            raise ConfigurationError(
-                f"cannot parse limit {text!r}; expected '<amount>/<unit>' or '<amount> per "
-                "[<n>] <unit>' with unit second, minute, hour or day (or s, m, h, d)"
-            )
+            raise ConfigurationError(f"cannot parse limit {text!r}; expected {GRAMMAR}")
         count = float(match["count"]) if match["count"] else 1.0
         return cls(int(match["amount"]), per=count * unit)
 
@@ -153,3 +161,15 @@ class Limit(BaseLimit):
         if self.precision != self.per:
             text += f" (precision {self.precision:g}s)"
         return text
+
+
+def parse_limits(text: str) -> tuple[Limit, ...]:
+    """Several limits in one string, as users of other limiters write them:
+    ``"10/second;100/minute"``, ``"5 per second, 1000 per day"``. Each part is read by
+    ``Limit.parse``; an empty part or a bad one fails with the grammar in the message."""
+    if not isinstance(text, str):
+        raise ConfigurationError(f"a limit string must be text, got {text!r}; expected {GRAMMAR}")
+    parts = re.split(r"[;,]", text)
+    if not text.strip() or any(not part.strip() for part in parts):
+        raise ConfigurationError(f"cannot parse limits {text!r}: an empty part; expected {GRAMMAR}")
+    return tuple(Limit.parse(part) for part in parts)

@@ -14,11 +14,13 @@ from typing import TypeAlias
 
 from aiolimit._errors import ConfigurationError, InvalidRequestError, WeightNeverFits
 from aiolimit._keys import aux_key, identifier_kind, main_key
-from aiolimit._limits import BaseLimit, Limit
+from aiolimit._limits import BaseLimit, parse_limits
 from aiolimit._validation import MAX_AMOUNT
 from aiolimit._validation import check_weight as validate_weight
 
-LimitsArg: TypeAlias = "Sequence[BaseLimit | str] | Mapping[str, Sequence[BaseLimit | str]]"
+LimitsArg: TypeAlias = (
+    "str | Sequence[BaseLimit | str] | Mapping[str, str | Sequence[BaseLimit | str]]"
+)
 MAX_WEIGHT = MAX_AMOUNT
 
 
@@ -37,9 +39,15 @@ class IdentifierPlan:
 
 
 def _check_limits(kind: str, limits: object) -> tuple[BaseLimit, ...]:
-    if isinstance(limits, (str, bytes)) or not isinstance(limits, Iterable):
+    if isinstance(limits, str):
+        limits = [limits]  # "10/second;100/minute": one string may hold several
+    if isinstance(limits, bytes) or not isinstance(limits, Iterable):
         raise ConfigurationError(f"limits for {kind!r} must be a list of limits, got {limits!r}")
-    checked = tuple(Limit.parse(x) if isinstance(x, str) else x for x in limits)
+    checked = tuple(
+        limit
+        for item in limits
+        for limit in (parse_limits(item) if isinstance(item, str) else (item,))
+    )
     for limit in checked:
         if not isinstance(limit, BaseLimit):
             raise ConfigurationError(

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from aiolimit import Limit
+from aiolimit import ConfigurationError, Limit, parse_limits
 
 
 @pytest.mark.parametrize(
@@ -100,3 +100,38 @@ def test_wire_form_is_integers_in_microseconds() -> None:
     assert Limit(240, per=3600, precision=60).wire == ("sw", 240, 3_600_000_000, 60_000_000)
     assert Limit(3, per=0.5).wire == ("sw", 3, 500_000, 500_000)
     assert Limit(7, per=1).max_weight == 7
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("10/second;100/minute", (Limit(10, per=1), Limit(100, per=60))),
+        ("5 per second, 1000 per day", (Limit(5, per=1), Limit(1000, per=86400))),
+        ("10000/week", (Limit(10000, per=7 * 86400),)),
+        ("1000000/month; 5/2 weeks", (Limit(1000000, per=30 * 86400), Limit(5, per=14 * 86400))),
+        ("1/year", (Limit(1, per=365 * 86400),)),
+        ("3/10mins", (Limit(3, per=600),)),
+    ],
+)
+def test_parse_limits_reads_several_and_long_units(text: str, expected: tuple[Limit, ...]) -> None:
+    """Several limits in one string (';' or ','); week, month and year are fixed lengths
+    (7, 30 and 365 days)."""
+    assert parse_limits(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "10/second;", ";", "10/fortnight", "ten/second", "10"])
+def test_a_bad_limit_string_shows_the_grammar(text: str) -> None:
+    """Empty parts, unknown units and missing numbers fail with the accepted grammar."""
+    with pytest.raises(ConfigurationError, match="units: second, minute, hour, day, week"):
+        parse_limits(text)
+
+
+def test_rules_take_a_several_limit_string_anywhere() -> None:
+    """A Limiter's rules accept one string with several limits, alone or per kind."""
+    from aiolimit import Limiter
+
+    limiter = Limiter("memory://", "10/second;100/minute")
+    assert limiter.limits == {"*": (Limit(10, per=1), Limit(100, per=60))}
+    limiter = Limiter("memory://", {"ip": "1/s, 5/h", "*": ["2/s", "9/day;10/week"]})
+    assert limiter.limits["ip"] == (Limit(1, per=1), Limit(5, per=3600))
+    assert limiter.limits["*"] == (Limit(2, per=1), Limit(9, per=86400), Limit(10, per=604800))
