@@ -33,7 +33,8 @@ class Mode(enum.StrEnum):
     """What a call asks of the script (ARGV[1])."""
 
     ACQUIRE = "acquire"  # decide; charge every pair only if every pair allows
-    CHECK = "check"  # decide; write nothing
+    CHECK = "check"  # decide; write nothing (phase 1 across cluster slots)
+    PEEK = "peek"  # decide; write nothing; report each pair's state now (no charge assumed)
     REFUND = "refund"  # give weight back (newest charges first)
     UNDO = "undo"  # credit exactly what an acquire op charged, once
     RELEASE = "release"  # drop an op's concurrency leases
@@ -41,11 +42,12 @@ class Mode(enum.StrEnum):
 
     @property
     def writes(self) -> bool:
-        return self is not Mode.CHECK
+        return self is not Mode.CHECK and self is not Mode.PEEK
 
 
 ACQUIRE = Mode.ACQUIRE
 CHECK = Mode.CHECK
+PEEK = Mode.PEEK
 REFUND = Mode.REFUND
 UNDO = Mode.UNDO
 RELEASE = Mode.RELEASE

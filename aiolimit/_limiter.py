@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from aiolimit._algorithms import Concurrency
-from aiolimit._calls import ACQUIRE, CHECK, Mode
+from aiolimit._calls import ACQUIRE, PEEK, Mode
 from aiolimit._clock import Clock
 from aiolimit._decision import Decision
 from aiolimit._errors import (
@@ -311,9 +311,14 @@ class Limiter:
         return Acquisition(self, ids, weight, timeout)
 
     async def peek(self, ids: Identifiers, weight: int = 1) -> Decision:
-        """The decision ``try_acquire`` would make now, charging nothing."""
+        """The state now, charging nothing: ``allowed`` says whether ``weight`` would pass,
+        ``remaining`` (and each pair's) is what is left now, ``reset_after`` when the pairs
+        are full again, ``retry_after`` (if refused) when ``weight`` would pass.
+
+        (Before 0.2, ``remaining`` was what would be left after ``weight``.)
+        """
         plans = self._rules.plans(ids)
-        return await self._decide(CHECK, plans, check_weight(weight, plans))
+        return await self._decide(PEEK, plans, check_weight(weight, plans))
 
     async def refund(self, ids: Identifiers, weight: int = 1) -> Decision:
         """Gives ``weight`` back on every pair (newest charges first, never below zero)."""

@@ -39,9 +39,17 @@ def check_deadline_seconds(seconds: object) -> float:
     return check_seconds("deadline", seconds, 0, 300, open_low=True)
 
 
+#: The first retry waits at most this long: a connection reset or a moved slot is usually
+#: over by the next attempt, and a decision should not pay 50 ms for it.
+FIRST_RETRY = 0.005
+
+
 def backoff(attempt: int) -> float:
-    """Seconds to wait before retry ``attempt`` (0-based): 50 ms doubling to 500 ms, jittered."""
-    base: float = min(MAX_BACKOFF, FIRST_BACKOFF * 2**attempt)
+    """Seconds to wait before retry ``attempt`` (0-based): the first within FIRST_RETRY, then
+    50 ms doubling to 500 ms; jittered (each wait within [base/2, base])."""
+    if attempt == 0:
+        return random.random() * FIRST_RETRY
+    base: float = min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** (attempt - 1))
     return base / 2 + random.random() * base / 2
 
 

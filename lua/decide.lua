@@ -4,7 +4,9 @@
 -- KEYS[k]   storage keys. Each identifier has a main HASH key <prefix>:{<id>}; algorithms
 --           with a structure of their own use an aux key with the same hash tag (same slot).
 -- ARGV[1]   mode: "acquire" decide; charge every pair only if every pair allows
---                 "check"   decide; write nothing (peek, and phase 1 across cluster slots)
+--                 "check"   decide; write nothing (phase 1 across cluster slots): an
+--                           allowing pair reports its state after the charge
+--                 "peek"    decide; write nothing; every pair reports its state now
 --                 "refund"  give weight back on every pair (newest charges first); with an
 --                           op id it is applied once (a retry replays)
 --                 "undo"    with an op id: credit exactly what that acquire op charged
@@ -373,8 +375,17 @@ local function decide(KEYS, ARGV)
     return reply, all
   end
 
-  if mode == 'check' then
-    local reply = decide_all(weight)
+  if mode == 'check' or mode == 'peek' then
+    local reply, all = decide_all(weight)
+    if mode == 'peek' and all and weight > 0 then
+      -- Nothing is charged: report what is left now, as a refusal already does.
+      for i, pair in ipairs(pairs_) do
+        local base = 4 + 4 * (i - 1)
+        local _, remaining, _, reset = pair.algo.check(pair.s, pair, now_for(pair.s), 0, 0)
+        reply[base + 1] = remaining
+        reply[base + 3] = reset
+      end
+    end
     return reply
   end
 

@@ -223,7 +223,13 @@ class Model:
         return Outcome(allowed, tuple((p[0], v) for p, v in zip(pairs, verdicts, strict=True)))
 
     def peek(self, ids: Sequence[str], weight: int, now: int) -> Outcome:
-        return self._verdicts(ids, now, weight)
+        """Whether ``weight`` would pass, with every pair's state now (nothing charged)."""
+        outcome = self._verdicts(ids, now, weight)
+        if not outcome.allowed or weight == 0:
+            return outcome  # a refusal already reports the state as it is
+        pairs = self._pairs(ids)
+        verdicts = [algorithm.check(max(now, written), 0) for _, written, algorithm in pairs]
+        return Outcome(True, tuple((p[0], v) for p, v in zip(pairs, verdicts, strict=True)))
 
     def acquire(self, ids: Sequence[str], weight: int, now: int) -> Outcome:
         outcome = self._verdicts(ids, now, weight)

@@ -183,8 +183,8 @@ async def test_token_bucket_refills_to_its_burst_and_not_beyond(
         assert verdict(await limiter.try_acquire("ip:1", 3)) == (True, 0, 0, 1_333_334)
         assert verdict(await limiter.try_acquire("ip:1")) == (False, 0, 333_334, 1_333_334)
         clock.advance(3600)
-        assert verdict(await limiter.peek("ip:1")) == (True, 3, 0, 333_334)
-        assert verdict(await limiter.peek("ip:1", 4)) == (True, 0, 0, 1_333_334)
+        assert verdict(await limiter.peek("ip:1")) == (True, 4, 0, 0)  # full now
+        assert verdict(await limiter.peek("ip:1", 4)) == (True, 4, 0, 0)
         assert verdict(await limiter.try_acquire("ip:1", 4)) == (True, 0, 0, 1_333_334)
         assert verdict(await limiter.try_acquire("ip:1")) == (False, 0, 333_334, 1_333_334)
 
@@ -215,9 +215,9 @@ async def test_token_bucket_does_not_drift_over_10000_units(store_url: str, pref
             assert (await limiter.try_acquire("ip:1")).allowed
             clock.advance(0.333_333)
         # Now is 10000 * 333333 µs from the start and TAT = 10000 T = 3333333333.33 µs, 3333.33
-        # µs ahead. One unit fits (burst 2) and leaves TAT 336666.67 µs ahead; two need
+        # µs ahead. One unit fits now (burst 2; it would leave TAT 336666.67 µs ahead); two need
         # ceil(3333.33) µs more. Rounding T per unit either way would be off by 3333 µs.
-        assert verdict(await limiter.peek("ip:1")) == (True, 0, 0, 336_667)
+        assert verdict(await limiter.peek("ip:1")) == (True, 1, 0, 3_334)  # one unit left now
         assert verdict(await limiter.peek("ip:1", 2)) == (False, 1, 3_334, 3_334)
 
 

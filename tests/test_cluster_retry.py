@@ -14,6 +14,7 @@ from aiolimit import BackendError, BackendUnavailable, ConfigurationError
 from aiolimit._connection import is_retryable
 from aiolimit._retry import (
     FIRST_BACKOFF,
+    FIRST_RETRY,
     MAX_BACKOFF,
     RetryStatistics,
     backoff,
@@ -72,10 +73,13 @@ def test_lasting_errors_are_not_retried(error: BaseException) -> None:
     assert not is_retryable(error)
 
 
-def test_backoff_grows_from_50_ms_to_500_ms_with_jitter() -> None:
-    """Each wait is within [base/2, base], base doubling from 50 ms and capped at 500 ms."""
-    for attempt in range(8):
-        base = min(MAX_BACKOFF, FIRST_BACKOFF * 2**attempt)
+def test_backoff_retries_at_once_then_grows_from_50_ms_to_500_ms_with_jitter() -> None:
+    """The first retry waits at most 5 ms; then each wait is within [base/2, base], base
+    doubling from 50 ms and capped at 500 ms."""
+    first = [backoff(0) for _ in range(200)]
+    assert all(0 <= wait <= FIRST_RETRY for wait in first) and len(set(first)) > 1
+    for attempt in range(1, 9):
+        base = min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** (attempt - 1))
         waits = [backoff(attempt) for _ in range(200)]
         assert all(base / 2 <= wait <= base for wait in waits)
         assert len(set(waits)) > 1  # jittered

@@ -92,7 +92,10 @@ def check_unaffected(results: list[tuple[float, object]], limiter: Limiter) -> N
     ]
     assert len(results) >= 20
     assert not failed, f"{len(failed)} of {len(results)} healthy decisions failed: {failed[:2]}"
-    assert not slow, f"{len(slow)} of {len(results)} took >= {FAST}s, up to {max(slow):.2f}s"
+    store_statistics = limiter.store.statistics()  # type: ignore[attr-defined]
+    assert not slow, (
+        f"{len(slow)} of {len(results)} took >= {FAST}s, up to {max(slow):.2f}s; {store_statistics}"
+    )
     assert limiter.statistics().breaker.state == "closed"
 
 

@@ -23,7 +23,7 @@ START = 1_700_000_000.0
 async def in_flight(limiter: Limiter, identifier: str = "u:1") -> int:
     """Leases held on ``identifier``, as the limiter counts them."""
     (pair,) = (await limiter.peek(identifier)).details
-    return int(pair.limit.max - pair.remaining - (1 if pair.allowed else 0))
+    return int(pair.limit.max - pair.remaining)  # peek: what is left now
 
 
 async def stored(limiter: Limiter, url: str, prefix: str, identifier: str = "u:1") -> int:

@@ -177,14 +177,14 @@ async def test_limits_follow_the_identifier_kind_with_star_as_default(backend: B
 
 
 async def test_peek_charges_nothing(backend: Backend) -> None:
-    """peek returns the decision try_acquire would make, and stores nothing."""
+    """peek says whether the weight would pass and what is left now, and stores nothing."""
     limiter = backend.limiter([Limit(3, per=1)], clock=ManualClock(start=START))
     empty = await limiter.peek("ip:1", weight=2)
     assert (empty.allowed, empty.remaining, empty.retry_after, empty.reset_after) == (
         True,
-        1,
+        3,
         0.0,
-        0.75,
+        0.0,
     )
     assert await backend.keys() == []
     for _ in range(3):
@@ -345,7 +345,7 @@ async def test_a_keys_time_never_runs_backwards(backend: Backend) -> None:
     assert await backend.counts("ip:1") == {field(limit, START + 10): 2}
     fields = {name for name in stored if not name.startswith("o:")}  # (op ledgers)
     assert fields == {"t", "x", field(limit, START + 10).partition(":")[0]}
-    assert (await behind.peek("ip:1")).remaining == 0
+    assert (await behind.peek("ip:1")).remaining == 1  # left now, at START + 10
 
 
 async def test_every_key_gets_a_bounded_ttl(backend: Backend) -> None:

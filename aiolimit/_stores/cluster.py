@@ -59,8 +59,10 @@ DEFAULT_DEADLINE = 5.0
 DEADLINE_MARGIN = 0.05
 #: Seconds one topology refresh (CLUSTER SLOTS to a startup node) may take. redis-py asks the
 #: startup nodes in random order and holds a lock meanwhile: a frozen node would hold up every
-#: decision until its deadline. Cut short, the next attempt asks another node.
-REFRESH_TIMEOUT = 0.1
+#: decision until its deadline. Cut short, the next attempt asks another node. A healthy node
+#: answers CLUSTER SLOTS in well under a millisecond; a decision may meet several refreshes
+#: while connections are being reset, each of which can draw the frozen node first.
+REFRESH_TIMEOUT = 0.05
 
 
 @lru_cache(maxsize=65536)
