@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from aiolimit._algorithms import Concurrency
 from aiolimit._calls import ACQUIRE, PEEK, Mode
@@ -40,6 +42,8 @@ LEASE_POLL_MAX = 0.25
 MAX_CACHE = 10_000_000
 
 Identifiers = str | Sequence[str]
+P = ParamSpec("P")
+T = TypeVar("T")
 logger = logging.getLogger("aiolimit")
 
 
@@ -309,6 +313,43 @@ class Limiter:
     ) -> Acquisition:
         """``async with limiter.limit(ids) as decision:`` or ``await limiter.limit(ids)``."""
         return Acquisition(self, ids, weight, timeout)
+
+    def limited(
+        self,
+        ids: Identifiers | Callable[..., Identifiers],
+        weight: int | Callable[..., int] = 1,
+        *,
+        timeout: float | None = None,
+    ) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
+        """A decorator for any coroutine function (an outgoing API call, a job): each call
+        first acquires, as ``async with limiter.limit(...)`` would, then runs.
+
+        ``ids`` and ``weight`` are values, or functions of the call's arguments (e.g.
+        ``lambda user, query: f"user:{user}"``). ``timeout`` is ``acquire``'s: ``None`` waits
+        as long as it takes, ``0`` raises ``RateLimited`` at once. ``Concurrency`` leases are
+        held for the call and released when it ends, however it ends.
+        """
+        if not callable(ids):
+            self._rules.plans(ids)  # a bad identifier fails here, not at the first call
+        if not callable(weight):
+            check_weight(weight, [])
+
+        def decorate(function: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+            if not inspect.iscoroutinefunction(function):
+                raise ConfigurationError(
+                    f"limited() decorates coroutine functions (async def), got {function!r}"
+                )
+
+            @functools.wraps(function)
+            async def call(*args: P.args, **kwargs: P.kwargs) -> T:
+                key = ids(*args, **kwargs) if callable(ids) else ids
+                units = weight(*args, **kwargs) if callable(weight) else weight
+                async with self.limit(key, units, timeout=timeout):
+                    return await function(*args, **kwargs)
+
+            return call
+
+        return decorate
 
     async def peek(self, ids: Identifiers, weight: int = 1) -> Decision:
         """The state now, charging nothing: ``allowed`` says whether ``weight`` would pass,

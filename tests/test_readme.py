@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
@@ -61,3 +62,12 @@ async def test_web_example_serves_limited_requests(redis_url: str) -> None:
         assert {route.resource.canonical for route in routes} == {"/search"}
     finally:
         await limiter.aclose()  # type: ignore[attr-defined]
+
+
+def test_limited_example_runs() -> None:
+    """The README's limited() example (an outgoing API under a quota) runs as written."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if ".limited(" in b]
+    assert len(blocks) == 1, "README has one limited() example"
+    namespace: dict[str, object] = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    asyncio.run(namespace["main"]())  # type: ignore[operator]
