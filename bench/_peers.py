@@ -531,7 +531,9 @@ def library_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for package in ("aiolimit", "limits", "pyrate-limiter", "throttled-py", "redis", "hiredis"):
+    for package in (
+        "aiolimit-redis", "limits", "pyrate-limiter", "throttled-py", "redis", "hiredis"
+    ):  # fmt: skip
         try:
             out[package] = version(package)
         except PackageNotFoundError:

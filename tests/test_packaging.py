@@ -45,7 +45,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if importlib.util.find_spec("hatchling") is not None:
         command += ["--no-build-isolation", "--no-index"]
     subprocess.run([*command, "-q", "-w", str(out), str(ROOT)], check=True, timeout=120)
-    (built,) = out.glob("aiolimit-*.whl")
+    (built,) = out.glob("aiolimit_redis-*.whl")
     return built
 
 
@@ -84,3 +84,25 @@ def test_installed_wheel_decides_without_the_checkout(wheel: Path, tmp_path: Pat
     assert Path(package).is_relative_to(target)
     assert Path(script).is_relative_to(target) and not Path(script).is_symlink()
     assert verdicts == "True False"
+
+
+def test_wheel_metadata_names_the_distribution_extras_license_and_one_version(
+    wheel: Path,
+) -> None:
+    """aiolimit-redis (the free name; import aiolimit), the framework extras, the MIT
+    LICENSE file, project URLs, and the version taken from aiolimit.__version__ alone."""
+    import aiolimit
+
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata_name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        metadata = archive.read(metadata_name).decode()
+        licenses = [n for n in archive.namelist() if n.endswith("/LICENSE")]
+    fields = [line.split(": ", 1) for line in metadata.splitlines() if ": " in line]
+    assert ["Name", "aiolimit-redis"] in fields
+    assert ["Version", aiolimit.__version__] in fields
+    extras = {value for key, value in fields if key == "Provides-Extra"}
+    assert {"fastapi", "starlette", "aiohttp", "embedded", "all"} <= extras
+    urls = {value.split(",")[0] for key, value in fields if key == "Project-URL"}
+    assert {"Homepage", "Source", "Issues", "Changelog"} <= urls
+    assert licenses and "MIT License" in (ROOT / "LICENSE").read_text()
+    assert wheel.name.startswith(f"aiolimit_redis-{aiolimit.__version__}-")
