@@ -44,9 +44,7 @@ async def charged(store: Any, prefix: str, identifier: str, limit: Limit = ROOMY
     """Weight stored for ``identifier`` under ``limit``, read by a fresh limiter's peek."""
     async with Limiter(store, [limit], prefix=prefix, deadline=5.0) as reader:
         decision = await reader.peek(identifier)
-    if decision.allowed:  # remaining after one more unit
-        return limit.amount - 1 - decision.remaining
-    return limit.amount - decision.remaining  # full: remaining as it stands
+    return limit.amount - decision.remaining  # peek: what is left now
 
 
 async def settle(

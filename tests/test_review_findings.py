@@ -39,9 +39,7 @@ async def charged(store: str, prefix: str, identifier: str, limits: object) -> i
     async with Limiter(store, limits, prefix=prefix, deadline=5.0) as reader:  # type: ignore[arg-type]
         decision = await reader.peek(identifier)
     limit = decision.details[0].limit
-    if decision.allowed:
-        return limit.amount - 1 - decision.remaining
-    return limit.amount - decision.remaining
+    return limit.amount - decision.remaining  # peek: what is left now
 
 
 @pytest.fixture
