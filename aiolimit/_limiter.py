@@ -38,6 +38,8 @@ MAX_RESERVATION_US = 3_600_000_000
 #: 10 ms at first, doubling to at most 250 ms (a release in this process wakes waiters at once).
 LEASE_POLL_MIN = 0.01
 LEASE_POLL_MAX = 0.25
+#: A cached refusal yields to the event loop once in this many decisions.
+CACHED_YIELD_EVERY = 16
 #: The refusal cache holds at most this many identifiers (refusal_cache_size).
 MAX_CACHE = 10_000_000
 
@@ -222,6 +224,10 @@ class Limiter:
             if cached is not None:
                 counts["decisions"] += 1
                 counts["refused"] += 1
+                if counts["decisions"] % CACHED_YIELD_EVERY == 0:
+                    # A cached refusal never waits for anything: a caller that loops on them
+                    # would never let the event loop run (replies, timers, other tasks).
+                    await asyncio.sleep(0)
                 return cached
         decision = await self._decide(ACQUIRE, plans, weight, max_wait_us)
         counts["decisions"] += 1

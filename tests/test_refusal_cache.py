@@ -229,3 +229,29 @@ def test_bad_cache_settings_are_refused_at_construction() -> None:
         Limiter("memory://", [Limit(1, per=1)], cache_refusals="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="refusal_cache_size must be an int in 1"):
         Limiter("memory://", [Limit(1, per=1)], cache_refusals=True, refusal_cache_size=0)
+
+
+async def test_a_loop_of_cached_refusals_lets_other_tasks_run(store_url: str, prefix: str) -> None:
+    """A task that loops on cached refusals (they need no I/O) still lets the event loop run:
+    another task's timer fires and its own decision completes meanwhile."""
+    import asyncio
+
+    limiter = Limiter(store_url, [Limit(1, per=60)], prefix=prefix, cache_refusals=True)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    try:
+        assert (await limiter.try_acquire("ip:1")).allowed
+        assert not (await limiter.try_acquire("ip:1")).allowed
+        other = asyncio.ensure_future(ticker())
+        for _ in range(2_000):
+            await limiter.try_acquire("ip:1")
+        other.cancel()
+        assert ticks >= 2_000 // 16 - 1, f"the other task ran {ticks} times in 2,000 refusals"
+    finally:
+        await limiter.aclose()
