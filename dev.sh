@@ -2,7 +2,7 @@
 # One entry point for a fresh Debian machine: installs what is missing (a venv with the package
 # and its dev tools; redis-server via apt when no server binary is found), then runs
 #   bash dev.sh demo    the demo (examples/) against a local Redis it starts; --seconds N
-#   bash dev.sh test    every check: ruff, mypy, the whole pytest suite
+#   bash dev.sh test    every check: ruff, mypy, the docs site (strict), the whole pytest suite
 #   bash dev.sh bench   the benchmarks (bench/README.md)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -67,6 +67,10 @@ case "$cmd" in
     .venv/bin/ruff format --check aiolimit cluster bench tests examples
     log "mypy --strict aiolimit"
     .venv/bin/mypy
+    log "docs: mkdocs build --strict (a broken reference fails)"
+    site=$(mktemp -d)
+    NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet -d "$site"
+    rm -rf "$site"
     log "pytest"
     exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
     ;;

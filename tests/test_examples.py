@@ -60,3 +60,14 @@ async def test_web_demo_answers_429_with_headers(
     assert statuses.count(("200", "/report")) == 2
     assert "violated ['report-2-per-60s']" in out
     assert re.search(r"^\s+RateLimit: \"report-2-per-60s\";r=0;t=\d+$", out, re.MULTILINE)
+
+
+async def test_outgoing_api_example_stays_within_the_third_partys_quota(redis_url: str) -> None:
+    """examples/outgoing_api.py: 12 calls to a server that answers 429 past 5/s all get 200,
+    because @limiter.limited spaces them (about 2 s of waiting)."""
+    spec = importlib.util.spec_from_file_location("outgoing_api", EXAMPLES / "outgoing_api.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    statuses = await module.run(redis_url, calls=12)
+    assert statuses == [200] * 12
