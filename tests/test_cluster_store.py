@@ -71,16 +71,24 @@ def same_slot_pair(prefix: str) -> list[str]:
     raise AssertionError("no slot collision found")
 
 
+@pytest.fixture(params=["redis", "valkey"])
+def any_cluster(request: pytest.FixtureRequest) -> cluster.Cluster:
+    """The session's Redis cluster, or a Valkey one: these tests run on both."""
+    name = "local_cluster" if request.param == "redis" else "valkey_cluster"
+    nodes: cluster.Cluster = request.getfixturevalue(name)
+    return nodes
+
+
 @pytest.fixture
-async def raw(redis_cluster_seed_url: str) -> AsyncIterator[RedisCluster]:
-    client = RedisCluster.from_url(redis_cluster_seed_url, decode_responses=True)
+async def raw(any_cluster: cluster.Cluster) -> AsyncIterator[RedisCluster]:
+    client = RedisCluster.from_url(any_cluster.seed_url, decode_responses=True)
     yield client
     await client.aclose()
 
 
 @pytest.fixture
-async def limiter(redis_cluster_url: str, prefix: str) -> AsyncIterator[Limiter]:
-    async with Limiter(redis_cluster_url, LIMITS, prefix=prefix, deadline=5.0) as limiter:
+async def limiter(any_cluster: cluster.Cluster, prefix: str) -> AsyncIterator[Limiter]:
+    async with Limiter(any_cluster.url, LIMITS, prefix=prefix, deadline=5.0) as limiter:
         yield limiter
 
 
@@ -89,11 +97,11 @@ async def snapshot(raw: RedisCluster, prefix: str, identifiers: list[str]) -> di
 
 
 async def test_cross_primary_admission_charges_every_pair_once(
-    limiter: Limiter, raw: RedisCluster, local_cluster: cluster.Cluster, prefix: str
+    limiter: Limiter, raw: RedisCluster, any_cluster: cluster.Cluster, prefix: str
 ) -> None:
     """Identifiers on three primaries: an admitted weight is stored once on every pair."""
-    ids = on_distinct_primaries(local_cluster, prefix, 3)
-    assert len(set(owners(local_cluster, prefix, ids))) == 3
+    ids = on_distinct_primaries(any_cluster, prefix, 3)
+    assert len(set(owners(any_cluster, prefix, ids))) == 3
     decision = await limiter.try_acquire(ids, 2)
     assert decision.allowed
     for fields in (await snapshot(raw, prefix, ids)).values():
@@ -102,10 +110,10 @@ async def test_cross_primary_admission_charges_every_pair_once(
 
 
 async def test_refusal_on_one_primary_leaves_every_slot_unchanged(
-    limiter: Limiter, raw: RedisCluster, local_cluster: cluster.Cluster, prefix: str
+    limiter: Limiter, raw: RedisCluster, any_cluster: cluster.Cluster, prefix: str
 ) -> None:
     """One identifier full: the cross-slot request is refused and no slot changes at all."""
-    ids = on_distinct_primaries(local_cluster, prefix, 3)
+    ids = on_distinct_primaries(any_cluster, prefix, 3)
     await limiter.try_acquire(ids, 1)
     assert (await limiter.try_acquire(ids[1], 2)).allowed  # ids[1] is now at 3 of 3
     before = await snapshot(raw, prefix, ids)
@@ -133,14 +141,14 @@ async def test_shared_slot_is_one_call(limiter: Limiter, raw: RedisCluster, pref
 
 
 async def test_calls_for_one_node_share_a_pipeline(
-    limiter: Limiter, local_cluster: cluster.Cluster, prefix: str
+    limiter: Limiter, any_cluster: cluster.Cluster, prefix: str
 ) -> None:
     """Six slots on three primaries cost three pipelines per phase: six round trips in all."""
     ids: list[str] = []
     per_node: dict[int, int] = {}
     for i in range(10_000):
         ident = f"user:{i}"
-        (port,) = owners(local_cluster, prefix, [ident])
+        (port,) = owners(any_cluster, prefix, [ident])
         if per_node.get(port, 0) < 2:
             per_node[port] = per_node.get(port, 0) + 1
             ids.append(ident)
@@ -174,12 +182,12 @@ def two_per_primary(nodes: cluster.Cluster, prefix: str, start: int = 0) -> list
 
 
 async def test_concurrent_decisions_share_pipelines_and_admit_exactly(
-    limiter: Limiter, raw: RedisCluster, local_cluster: cluster.Cluster, prefix: str
+    limiter: Limiter, raw: RedisCluster, any_cluster: cluster.Cluster, prefix: str
 ) -> None:
     """200 concurrent decisions on six slots make far fewer round trips than decisions;
     admitted == capacity, and stored == admitted for every identifier and limit."""
-    singles = two_per_primary(local_cluster, prefix)[:4]
-    pair = on_distinct_primaries(local_cluster, prefix, 2)  # two phases, cross-slot
+    singles = two_per_primary(any_cluster, prefix)[:4]
+    pair = on_distinct_primaries(any_cluster, prefix, 2)  # two phases, cross-slot
     requests = [[singles[i % 4]] for i in range(150)] + [pair for _ in range(50)]
     store = limiter.store
     assert isinstance(store, ClusterStore)
@@ -203,13 +211,13 @@ async def test_concurrent_decisions_share_pipelines_and_admit_exactly(
 
 
 async def test_lost_script_on_one_primary_resends_only_its_calls(
-    limiter: Limiter, raw: RedisCluster, local_cluster: cluster.Cluster, prefix: str
+    limiter: Limiter, raw: RedisCluster, any_cluster: cluster.Cluster, prefix: str
 ) -> None:
     """SCRIPT FLUSH on one primary: in a tick shared by every primary, only the calls routed
     to that primary are resent (as EVAL); each decision is admitted and charged once."""
-    ids = two_per_primary(local_cluster, prefix)
-    victim = local_cluster.node_for_slot(key_slot(main_key(prefix, ids[0]).encode()))
-    on_victim = [ident for ident in ids if owners(local_cluster, prefix, [ident])[0] == victim.port]
+    ids = two_per_primary(any_cluster, prefix)
+    victim = any_cluster.node_for_slot(key_slot(main_key(prefix, ids[0]).encode()))
+    on_victim = [ident for ident in ids if owners(any_cluster, prefix, [ident])[0] == victim.port]
     assert len(on_victim) == 2
     store = limiter.store
     assert isinstance(store, ClusterStore)
@@ -241,12 +249,12 @@ async def test_a_client_passed_in_is_used_and_left_open(
 
 
 async def test_lost_scripts_are_reloaded_without_double_charge(
-    limiter: Limiter, raw: RedisCluster, local_cluster: cluster.Cluster, prefix: str
+    limiter: Limiter, raw: RedisCluster, any_cluster: cluster.Cluster, prefix: str
 ) -> None:
     """After SCRIPT FLUSH on every primary, decisions still succeed and charge once."""
-    ids = on_distinct_primaries(local_cluster, prefix, 3)
+    ids = on_distinct_primaries(any_cluster, prefix, 3)
     assert (await limiter.try_acquire(ids, 1)).allowed
-    local_cluster.flush_scripts()
+    any_cluster.flush_scripts()
     store = limiter.store
     assert isinstance(store, ClusterStore)
     before = store.statistics().noscript
