@@ -273,3 +273,22 @@ def test_unparseable_or_missing_peer_is_still_limited() -> None:
     resolver = ClientIPResolver(["10.0.0.0/8"])
     assert resolver.resolve("/run/app.sock", ["203.0.113.7"]) == "/run/app.sock"
     assert resolver.resolve(None, []) == "unknown"
+
+
+def test_peer_identifiers_are_kept_bounded_and_equal_to_a_fresh_resolution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The peer-only lookup is cached (bounded); a cached answer equals a fresh one, IPv6 /64
+    grouping and odd peers included, and forwarded headers still go through trusted proxies."""
+    from aiolimit._web import client_ip
+
+    monkeypatch.setattr(client_ip, "PEER_CACHE_SIZE", 4)
+    resolver = ClientIPResolver(["10.0.0.0/8"])
+    peers = ["203.0.113.7", "2001:db8::1", "2001:db8::2", "unix:/tmp/s", None, "203.0.113.7"]
+    first = [resolver.resolve(peer, ()) for peer in peers]
+    again = [resolver.resolve(peer, ()) for peer in peers]
+    assert first == again
+    assert first[1] == first[2] == "2001:db8::/64" and first[4] == "unknown"
+    assert len(resolver._by_peer) <= 4
+    assert resolver.resolve("10.1.2.3", ["198.51.100.9"]) == "198.51.100.9"
+    assert resolver.resolve("203.0.113.7", ["198.51.100.9"]) == "203.0.113.7"  # untrusted peer

@@ -6,6 +6,7 @@ identifier text back (``ClientIPResolver.resolve``).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable, Sequence
 from typing import Literal, TypeAlias
@@ -23,8 +24,11 @@ MAX_HOPS = 64
 #: IPv6 clients are keyed per /64: one subscriber usually holds a whole /64 and can rotate
 #: through its addresses at will, so a per-address limit would not limit them at all.
 DEFAULT_IPV6_PREFIX = 64
+#: Peers whose identifier is kept (cleared when full).
+PEER_CACHE_SIZE = 4096
 
 
+@functools.lru_cache(maxsize=4096)  # the same few peers and proxies ask again and again
 def parse_ip(text: str) -> IPAddress | None:
     """An address from ``1.2.3.4``, ``1.2.3.4:80``, ``[2001:db8::1]:80``, ``"..."``; else None."""
     text = text.strip().strip('"').strip()
@@ -101,6 +105,7 @@ class ClientIPResolver:
                   ipv6_prefix, 1, 128)  # fmt: skip
         self.header = header
         self.ipv6_prefix = ipv6_prefix
+        self._by_peer: dict[str | None, str] = {}
 
     def is_trusted(self, address: IPAddress) -> bool:
         return any(address in network for network in self.trusted)
@@ -112,6 +117,19 @@ class ClientIPResolver:
         used as it is, and no peer at all is ``"unknown"``: such requests share one identifier
         rather than escaping the limits.
         """
+        if not forwarded or not self.trusted:
+            # The common case, the peer alone: its identifier is kept (bounded), since
+            # parsing and formatting an address costs more than the rest of the lookup.
+            known = self._by_peer.get(peer)
+            if known is None:
+                known = self._resolve(peer, ())
+                if len(self._by_peer) >= PEER_CACHE_SIZE:
+                    self._by_peer.clear()
+                self._by_peer[peer] = known
+            return known
+        return self._resolve(peer, forwarded)
+
+    def _resolve(self, peer: str | None, forwarded: Sequence[str]) -> str:
         client = parse_ip(peer) if peer else None
         if client is None:
             return key_value(peer) or "unknown"
