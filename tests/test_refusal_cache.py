@@ -255,3 +255,33 @@ async def test_a_loop_of_cached_refusals_lets_other_tasks_run(store_url: str, pr
         assert ticks >= 2_000 // 16 - 1, f"the other task ran {ticks} times in 2,000 refusals"
     finally:
         await limiter.aclose()
+
+
+async def test_a_degraded_refusal_from_a_stopped_server_is_not_cached(
+    fresh_standalone: object, prefix: str
+) -> None:
+    """on_error="closed" with the server stopped (SIGSTOP): the degraded refusals are not
+    remembered, so once the server resumes the next request is asked of it and admitted."""
+    server = fresh_standalone
+    limiter = Limiter(
+        server.url,  # type: ignore[attr-defined]
+        [Limit(5, per=60)],
+        prefix=prefix,
+        cache_refusals=True,
+        on_error="closed",
+        deadline=0.2,
+        failure_threshold=10**6,
+    )
+    try:
+        assert (await limiter.try_acquire("ip:1")).allowed
+        server.pause()  # type: ignore[attr-defined]
+        try:
+            refused = await limiter.try_acquire("ip:1")
+            assert not refused.allowed and refused.degraded
+        finally:
+            server.resume()  # type: ignore[attr-defined]
+        again = await limiter.try_acquire("ip:1")
+        assert again.allowed and not again.degraded
+        assert limiter.statistics().cached_refusals == 0
+    finally:
+        await limiter.aclose()

@@ -94,7 +94,10 @@ async def test_token_bucket_crowd_costs_one_call_per_acquirer(store_url: str, pr
         assert all(isinstance(r, Decision) and r.allowed for r in results)
         assert sorted(turn_us(r) for r in results) == [turn * 200_000 for turn in range(10)]
         stats = limiter.statistics()
-        assert (stats.decisions, stats.waits) == (10, 9)  # no retries: no herd
+        assert stats.decisions == 10  # no retries: no herd
+        # At most 9 sleep; fewer when other waiters' autojumping sleeps moved the clock past
+        # a waiter's turn while its call was in flight (its turn is still exact, above).
+        assert stats.waits <= 9
         assert elapsed_us(clock) >= 1_800_000
 
 
