@@ -3,8 +3,9 @@
 Starts a throwaway redis-server on a free loopback port (or uses $REDIS_URL; falls back to the
 embedded ``memory://`` store, with a notice, when no server binary exists), runs simulated
 clients for a few seconds (``--seconds``), then shows per identifier what was admitted and which
-limit refused the rest, and ends with the same limits over HTTP (``web_demo.py``, beside this
-file). Run it with ``bash dev.sh demo``, which puts the repository root on ``sys.path`` for the
+limit refused the rest, shows the same limits over HTTP (``web_demo.py``, beside this file),
+and ends on a private Redis Cluster whose primary is killed mid-run (``cluster_failover.py``).
+Run it with ``bash dev.sh demo``, which puts the repository root on ``sys.path`` for the
 ``cluster`` tooling; the tests run it too, so it cannot rot.
 """
 
@@ -109,6 +110,21 @@ async def main(seconds: float) -> None:
             return
         print("\n--- over HTTP ---")
         await run_web_demo(url)
+    await cluster_part()
+
+
+async def cluster_part() -> None:
+    """The same library on a Redis Cluster, through a killed primary (cluster_failover.py)."""
+    try:
+        from cluster_failover import run_cluster_demo
+
+        import cluster
+    except ImportError:
+        return
+    if cluster.find_server_binary() is None:
+        return
+    print("\n--- Redis Cluster: two slots per decision (check, then commit), a primary killed ---")
+    await run_cluster_demo(seconds=3.5)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def test_demo_runs_and_refuses_the_scraper(redis_url: str) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=90,
         check=False,
     )
     assert run.returncode == 0, run.stderr
@@ -47,6 +47,11 @@ def test_demo_runs_and_refuses_the_scraper(redis_url: str) -> None:
     assert re.search(r"^429 /hello$", out, re.MULTILINE), out
     assert re.search(r"^\s+RateLimit-Policy: \"ip-5-per-10s\";q=5;w=10", out, re.MULTILINE)
     assert re.search(r"^\s+Retry-After: \d+$", out, re.MULTILINE)
+    assert "--- Redis Cluster" in out and "killed the primary" in out
+    pair = re.search(r"^(\S+)\+(\S+): (\d+) admitted", out, re.MULTILINE)
+    stored = re.search(r"stored now: \S+ (\d+), \S+ (\d+) \(admitted (\d+)\)", out)
+    assert pair and stored, out
+    assert int(stored[1]) == int(stored[2]) == int(stored[3]) == int(pair[3]) > 0
 
 
 async def test_web_demo_answers_429_with_headers(
@@ -71,3 +76,19 @@ async def test_outgoing_api_example_stays_within_the_third_partys_quota(redis_ur
     spec.loader.exec_module(module)
     statuses = await module.run(redis_url, calls=12)
     assert statuses == [200] * 12
+
+
+async def test_cluster_failover_example_keeps_counts_exact_through_a_killed_primary() -> None:
+    """examples/cluster_failover.py: decisions across two slots go on after their primary is
+    killed; what is stored equals what was admitted; the other shard keeps deciding."""
+    spec = importlib.util.spec_from_file_location(
+        "cluster_failover", EXAMPLES / "cluster_failover.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    counts = await module.run_cluster_demo(seconds=3.5)
+    assert counts["admitted"] > 0 and counts["failed"] > 0  # the kill was felt, then survived
+    assert counts["stored_first"] == counts["stored_second"] == counts["admitted"]
+    total = counts["bystander_admitted"] + counts["bystander_failed"]
+    assert counts["bystander_admitted"] >= 0.9 * total
