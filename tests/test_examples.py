@@ -92,3 +92,19 @@ async def test_cluster_failover_example_keeps_counts_exact_through_a_killed_prim
     assert counts["stored_first"] == counts["stored_second"] == counts["admitted"]
     total = counts["bystander_admitted"] + counts["bystander_failed"]
     assert counts["bystander_admitted"] >= 0.9 * total
+
+
+async def test_aiohttp_example_limits_with_route_weights_and_one_field_set(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """examples/aiohttp_app.py: /search costs 5 of 10, five more requests pass, the next is a
+    429 with Retry-After, /health is exempt; every limited response carries one field set."""
+    spec = importlib.util.spec_from_file_location("aiohttp_app", EXAMPLES / "aiohttp_app.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seen = await module.run_aiohttp_demo(redis_url)
+    assert [status for _, status in seen] == [200] * 6 + [429, 200]
+    out = capsys.readouterr().out
+    assert out.count("RateLimit-Policy:") == 7  # once per limited response, never on /health
+    assert out.count("Retry-After: ") == 1
