@@ -147,6 +147,14 @@ class Limiter:
         """The rules: identifier kind -> limits."""
         return dict(self._rules.by_kind)
 
+    def add_rule(self, kind: str, limits: str | Sequence[BaseLimit | str]) -> None:
+        """Adds the limits for a new identifier kind (a route's own limits use this).
+
+        Adding the same limits again does nothing; a kind that already has other limits is a
+        ``ConfigurationError``, and so is ``"*"`` or a kind containing ``:``.
+        """
+        self._rules.register(kind, limits)
+
     def _check_usable(self) -> None:
         if self._closed:
             raise UsageError(f"{self!r} is closed (aclose() was called); open a new Limiter")

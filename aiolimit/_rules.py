@@ -38,7 +38,7 @@ class IdentifierPlan:
     queueable: bool  # every limit is GCRA, so acquire may reserve a turn instead of retrying
 
 
-def _check_limits(kind: str, limits: object) -> tuple[BaseLimit, ...]:
+def check_limits(kind: str, limits: object) -> tuple[BaseLimit, ...]:
     if isinstance(limits, str):
         limits = [limits]  # "10/second;100/minute": one string may hold several
     if isinstance(limits, bytes) or not isinstance(limits, Iterable):
@@ -78,14 +78,38 @@ class Rules:
                     raise ConfigurationError(
                         f"a rule's kind must be non-empty text without ':' (or '*'), got {kind!r}"
                     )
-                rules[kind] = _check_limits(kind, items)
+                rules[kind] = check_limits(kind, items)
         else:
-            rules = {"*": _check_limits("*", limits)}
+            rules = {"*": check_limits("*", limits)}
         if not any(rules.values()):
             raise ConfigurationError("at least one limit must be configured")
         self.by_kind: dict[str, tuple[BaseLimit, ...]] = rules
         self.prefix = prefix
         self.plan = lru_cache(maxsize=65536)(self._plan)
+
+    def register(self, kind: str, limits: object) -> tuple[BaseLimit, ...]:
+        """Adds the rule for a kind of identifiers declared elsewhere (a route's own limits).
+
+        Registering the same limits again is a no-op; a kind that already has other limits is a
+        ``ConfigurationError`` (two declarations would share, and fight over, one counter).
+        """
+        if not isinstance(kind, str) or not kind or ":" in kind or kind == "*":
+            raise ConfigurationError(
+                f"a rule's kind must be non-empty text without ':' (and not '*'), got {kind!r}"
+            )
+        checked = check_limits(kind, limits)
+        if not checked:
+            raise ConfigurationError(f"limits for {kind!r}: at least one limit is needed")
+        current = self.by_kind.get(kind)
+        if current is None:
+            self.by_kind[kind] = checked
+            self.plan.cache_clear()  # an identifier of this kind may have had the default plan
+        elif current != checked:
+            raise ConfigurationError(
+                f"limits for {kind!r} are already {list(map(str, current))}; another "
+                f"declaration asks for {list(map(str, checked))}. Give one of them another name"
+            )
+        return checked
 
     def limits_for(self, identifier: str) -> tuple[BaseLimit, ...]:
         kind = identifier_kind(identifier)

@@ -1,17 +1,21 @@
 """Rate limiting for ``aiohttp.web``: a middleware and a per-handler decorator.
 
-Importable only with aiohttp installed (``pip install aiolimit[web]``)::
+Importable with aiohttp installed (``pip install 'aiolimit-redis[aiohttp]'``)::
 
-    from aiolimit.aiohttp import CLIENT_IP, header_key, limit, rate_limit_middleware
+    from aiolimit.aiohttp import CLIENT_IP, exempt, header_key, limit, rate_limit_middleware
 
-    app = web.Application(middlewares=[rate_limit_middleware(limiter, routes={"/health": None})])
+    app = web.Application(middlewares=[rate_limit_middleware(limiter)])
 
-    @limit(limiter, keys={"user": header_key("x-user")}, weight=5)
+    @limit(limiter, "5/minute", key=header_key("x-api-key"))
     async def search(request: web.Request) -> web.Response: ...
 
-Same behaviour as ``aiolimit.starlette``: every key with a value is one identifier, decided
-all or nothing; 429 with RFC 9457 problem+json, ``Retry-After`` and the ``RateLimit`` /
-``RateLimit-Policy`` fields; 503 when the store is down under ``on_error="closed"``; IPv6
+    @exempt
+    async def health(request: web.Request) -> web.Response: ...
+
+Same behaviour as ``aiolimit.starlette``: every key with a value is one identifier; the
+middleware judges the handler's ``@limit`` declarations with its own keys, all or nothing;
+429 with RFC 9457 problem+json, ``Retry-After`` and the ``RateLimit`` / ``RateLimit-Policy``
+fields; 503 when the store is down under ``on_error="closed"``; IPv6
 clients keyed per /64 unless ``ipv6_prefix`` says otherwise (128: per address). Headers are
 added to the handler's response unless it was already prepared (streamed).
 """
@@ -19,21 +23,33 @@ added to the handler's response unless it was already prepared (streamed).
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from aiohttp import web
 from multidict import CIMultiDict
 
+from aiolimit._errors import ConfigurationError
 from aiolimit._limiter import Limiter
+from aiolimit._limits import BaseLimit
 from aiolimit._web.client_ip import DEFAULT_IPV6_PREFIX, ClientIPResolver, ForwardedHeader
-from aiolimit._web.flow import RouteLimit, RouteTable, Rule, judge, refund_quietly
+from aiolimit._web.flow import (
+    Layer,
+    OwnLimits,
+    RequestLimits,
+    RouteLimit,
+    RouteTable,
+    Rule,
+    Verdict,
+    judge,
+)
 from aiolimit._web.headers import PROBLEM_CONTENT_TYPE
 from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, raw_header_key
 
 __all__ = [
     "CLIENT_IP",
     "RouteLimit",
+    "exempt",
     "header_key",
     "limit",
     "path_key",
@@ -71,21 +87,49 @@ def _peer(request: web.Request) -> str | None:
     return request.remote
 
 
-class _Guard:
-    """The part shared by the middleware and the decorator: judge, answer, add headers."""
+EXEMPT_MARK = "__aiolimit_exempt__"
+LAYERS_MARK = "__aiolimit_layers__"
+#: Where the first layer to judge a request leaves its ``RequestLimits``.
+#: (``web.RequestKey`` since aiohttp 3.12, where plain text keys warn; text before it).
+REQUEST_KEY: Any = (
+    web.RequestKey("aiolimit.request", RequestLimits)
+    if hasattr(web, "RequestKey")
+    else "aiolimit.request"
+)
+
+H = TypeVar("H")
+
+
+def exempt(handler: H) -> H:
+    """Marks a handler as exempt from the middleware's limits (its own ``@limit`` still applies)."""
+    try:
+        setattr(handler, EXEMPT_MARK, True)
+    except AttributeError as exc:
+        raise ConfigurationError(f"cannot mark {handler!r} exempt: {exc}") from exc
+    return handler
+
+
+def route_scope(request: web.Request) -> str:
+    """A route's own limits are kept per ``"<method> <path template>"`` (``"GET /items/{id}"``)."""
+    route = request.match_info.route
+    resource = route.resource
+    path = resource.canonical if resource is not None else request.path
+    return f"{route.method} {path}" if route.method != "*" else path
+
+
+class _Settings:
+    """How a middleware or decorator finds the client and writes headers."""
 
     def __init__(
         self,
         trusted_proxies: Iterable[str],
         forwarded_header: ForwardedHeader,
         ipv6_prefix: int,
-        refund_on_error: bool,
         legacy_headers: bool,
     ) -> None:
         self.resolver = ClientIPResolver(
             trusted_proxies, header=forwarded_header, ipv6_prefix=ipv6_prefix
         )
-        self.refund = refund_on_error
         self.legacy = legacy_headers
 
     def client_ip(self, request: web.Request) -> str | None:
@@ -94,33 +138,51 @@ class _Guard:
         )
         return self.resolver.resolve(_peer(request), forwarded)
 
-    async def __call__(
-        self, rule: Rule, request: web.Request, handler: Handler
-    ) -> web.StreamResponse:
-        verdict = await judge(rule, request, lambda: self.client_ip(request), legacy=self.legacy)
-        if verdict is None:
-            return await handler(request)
-        if verdict.refused:
-            headers = CIMultiDict(verdict.headers)
-            headers["Content-Type"] = PROBLEM_CONTENT_TYPE
-            return web.Response(status=verdict.status, body=verdict.body, headers=headers)
-        refund = self.refund and verdict.refundable
-        try:
-            response = await handler(request)
-        except web.HTTPException as exc:
-            if refund and exc.status >= 500:
-                await refund_quietly(verdict.limiter, verdict.ids, verdict.weight)
-            exc.headers.extend(verdict.headers)
-            raise
-        except Exception:
-            if refund:
-                await refund_quietly(verdict.limiter, verdict.ids, verdict.weight)
-            raise
-        if refund and response.status >= 500:
-            await refund_quietly(verdict.limiter, verdict.ids, verdict.weight)
-        if not response.prepared:
-            response.headers.extend(verdict.headers)
-        return response
+
+def _problem(verdict: Verdict) -> web.Response:
+    headers = CIMultiDict(verdict.headers)
+    headers["Content-Type"] = PROBLEM_CONTENT_TYPE
+    return web.Response(status=verdict.status, body=verdict.body, headers=headers)
+
+
+def _route_layers(request: web.Request) -> tuple[tuple[_Marker, ...], bool]:
+    handler = request.match_info.handler
+    return getattr(handler, LAYERS_MARK, ()), bool(getattr(handler, EXEMPT_MARK, False))
+
+
+async def _run(state: RequestLimits, request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Runs the handler under an admitted verdict: refunds on error, adds the headers."""
+    verdict = state.verdict
+    refund = verdict is not None and verdict.refund and verdict.refundable
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        if refund and exc.status >= 500 and verdict is not None:
+            await verdict.give_back()
+        exc.headers.extend(state.headers())
+        raise
+    except Exception:
+        if refund and verdict is not None:
+            await verdict.give_back()
+        raise
+    if refund and response.status >= 500 and verdict is not None:
+        await verdict.give_back()
+    if state.refused is None and not response.prepared:
+        response.headers.extend(state.headers())
+    return response
+
+
+async def _judge_first(
+    layers: list[Layer], included: Sequence[object], settings: _Settings,
+    request: web.Request, handler: Handler,
+) -> web.StreamResponse:  # fmt: skip
+    state = RequestLimits(included, settings.legacy)
+    request[REQUEST_KEY] = state
+    verdict = await judge(layers, request, legacy=settings.legacy)
+    if verdict is not None and verdict.refused:
+        return _problem(verdict)
+    state.verdict = verdict
+    return await _run(state, request, handler)
 
 
 def rate_limit_middleware(
@@ -137,40 +199,100 @@ def rate_limit_middleware(
     legacy_headers: bool = False,
 ) -> Any:
     """An ``aiohttp.web`` middleware limiting every request (see ``aiolimit.starlette`` for
-    ``routes``, ``exempt`` and ``refund_on_error``, which mean the same here)."""
+    ``routes``, ``exempt`` and ``refund_on_error``, which mean the same here).
+
+    The handler's ``@limit`` declarations are judged with the middleware's keys, once: one
+    decision per limiter (one for all when they share it), all or nothing, one set of
+    ``RateLimit`` fields on the response. A handler marked ``@exempt`` skips the middleware's
+    own limits.
+    """
     table = RouteTable(Rule(limiter, keys or {"ip": CLIENT_IP}, weight), routes)
-    guard = _Guard(trusted_proxies, forwarded_header, ipv6_prefix, refund_on_error, legacy_headers)
+    settings = _Settings(trusted_proxies, forwarded_header, ipv6_prefix, legacy_headers)
+    exempt_request = exempt
 
     @web.middleware
     async def aiolimit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        rule = table.match(request.path)
-        if rule is None or (exempt is not None and await _call(exempt, request)):
+        markers, is_exempt = _route_layers(request)
+        rule = None if is_exempt else table.match(request.path)
+        if rule is not None and exempt_request is not None and await _call(exempt_request, request):
+            rule = None
+        layers = [marker.layer for marker in markers]
+        if rule is not None:
+            layers.insert(0, Layer(rule, settings.client_ip, refund=refund_on_error))
+        if not layers:
             return await handler(request)
-        return await guard(rule, request, handler)
+        return await _judge_first(layers, markers, settings, request, handler)
 
     return aiolimit_middleware
 
 
+class _Marker:
+    """One ``@limit`` declaration, as the middleware finds it on the handler."""
+
+    __slots__ = ("layer", "settings")
+
+    def __init__(self, layer: Layer, settings: _Settings) -> None:
+        self.layer = layer
+        self.settings = settings
+
+
 def limit(
     limiter: Limiter,
+    limits: str | Sequence[BaseLimit | str] | None = None,
     *,
+    key: KeyFunc | None = None,
     keys: Mapping[str, KeyFunc] | None = None,
-    weight: int | WeightFunc = 1,
+    weight: int | WeightFunc | None = None,
+    name: str | None = None,
     trusted_proxies: Iterable[str] = (),
     forwarded_header: ForwardedHeader = "x-forwarded-for",
     ipv6_prefix: int = DEFAULT_IPV6_PREFIX,
     refund_on_error: bool = False,
     legacy_headers: bool = False,
 ) -> Callable[[Handler], Handler]:
-    """Decorator for one ``async def handler(request)``: its own limiter, keys and weight."""
-    rule = Rule(limiter, keys or {"ip": CLIENT_IP}, weight)
-    guard = _Guard(trusted_proxies, forwarded_header, ipv6_prefix, refund_on_error, legacy_headers)
+    """Decorator for one ``async def handler(request)``: ``@limit(limiter, "5/minute")``.
+
+    ``limits``, ``key``, ``keys``, ``weight`` and ``name`` mean what they mean for
+    ``aiolimit.starlette.RateLimit``: with ``limits`` the route has limits of its own (per
+    client IP, or per ``key``), kept per route (method and path template) or per ``name``;
+    without, the limiter's rules apply to ``keys``. ``weight`` is what a request costs under
+    every limit that applies to it. Under ``rate_limit_middleware`` the middleware judges it
+    with its own keys, once; alone, the outermost ``@limit`` judges all of the handler's.
+    """
+    if key is not None:
+        if keys is not None:
+            raise ConfigurationError("give key= (one key function) or keys=, not both")
+        if limits is None:
+            raise ConfigurationError(
+                "key= names a route's own limits' key: give limits too (e.g. '5/minute'), "
+                "or keys={kind: key function} to apply the limiter's rules"
+            )
+        keys = {"key": key}
+    if limits is None and name is not None:
+        raise ConfigurationError("name= names a route's own limits: give limits too")
+    own = None if limits is None else OwnLimits(limits, name, route_scope)
+    rule = Rule(limiter, keys or {"ip": CLIENT_IP}, 1 if weight is None else weight, own)
+    settings = _Settings(trusted_proxies, forwarded_header, ipv6_prefix, legacy_headers)
+    marker = _Marker(Layer(rule, settings.client_ip, weight is not None, refund_on_error), settings)
 
     def decorate(handler: Handler) -> Handler:
+        inner: tuple[_Marker, ...] = getattr(handler, LAYERS_MARK, ())
+        markers = (marker, *inner)
+
         @functools.wraps(handler)
         async def limited(request: web.Request) -> web.StreamResponse:
-            return await guard(rule, request, handler)
+            state = request.get(REQUEST_KEY)
+            if isinstance(state, RequestLimits):
+                if state.judged(marker):
+                    return await handler(request)
+                verdict = await state.add([marker.layer], request)
+                if verdict is not None and verdict.refused:
+                    return _problem(verdict)
+                return await handler(request)
+            layers = [m.layer for m in markers]
+            return await _judge_first(layers, markers, settings, request, handler)
 
+        setattr(limited, LAYERS_MARK, markers)
         return limited
 
     return decorate

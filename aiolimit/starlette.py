@@ -1,27 +1,32 @@
 """Rate limiting for Starlette and FastAPI: a pure ASGI middleware and a FastAPI dependency.
 
-Importable only with Starlette installed (``pip install aiolimit[web]``)::
+Importable with Starlette installed (``pip install 'aiolimit-redis[fastapi]'``)::
 
     from aiolimit import Limit, Limiter
-    from aiolimit.starlette import RateLimitMiddleware, RateLimit, RouteLimit, header_key
+    from aiolimit.starlette import CLIENT_IP, RateLimit, RateLimitMiddleware, exempt, header_key
 
     limiter = Limiter(url, {"ip": [Limit(10, per=1)], "user": [Limit(100, per=60)]},
                       deadline=0.25, on_error="open")
     app.add_middleware(RateLimitMiddleware, limiter=limiter,
                        keys={"ip": CLIENT_IP, "user": header_key("x-user")},
-                       trusted_proxies=["10.0.0.0/8"],
-                       routes={"/search": RouteLimit(weight=5), "/health": None})
+                       trusted_proxies=["10.0.0.0/8"])
 
-    @app.get("/report", dependencies=[Depends(RateLimit(limiter, weight=10))])
+    @app.get("/report", dependencies=[Depends(RateLimit(limiter, "5/minute"))])
     async def report(): ...
 
-Every key that gives a value becomes one identifier (``"ip:203.0.113.7"``, ``"user:42"``) and
-all of them are decided in one all-or-nothing ``try_acquire``. IPv6 clients are keyed per /64
-(``"ip:2001:db8:1:2::/64"``), since one subscriber can rotate through a whole /64;
-``ipv6_prefix=128`` keys each address alone. A header's value is keyed by its bytes, one to
-one (see ``header_key``). Refused: 429 with RFC 9457 problem+json, ``Retry-After`` and the
-``RateLimit``/``RateLimit-Policy`` fields (see ``aiolimit._web.headers`` for the header
-semantics). Store down and ``on_error="closed"``: 503.
+    @app.get("/health")
+    @exempt
+    async def health(): ...
+
+Every key that gives a value becomes one identifier (``"ip:203.0.113.7"``, ``"user:42"``).
+The middleware finds the request's route and the ``RateLimit`` dependencies on it and judges
+them with its own keys in one all-or-nothing ``try_acquire`` per limiter: one decision, one
+set of ``RateLimit`` fields, nothing charged anywhere when any of them refuses. IPv6 clients
+are keyed per /64 (``"ip:2001:db8:1:2::/64"``), since one subscriber can rotate through a
+whole /64; ``ipv6_prefix=128`` keys each address alone. A header's value is keyed by its
+bytes, one to one (see ``header_key``). Refused: 429 with RFC 9457 problem+json,
+``Retry-After`` and the ``RateLimit``/``RateLimit-Policy`` fields (see
+``aiolimit._web.headers`` for the header semantics). Store down and ``on_error="closed"``: 503.
 
 Behind a proxy, note that uvicorn's own ``proxy_headers`` (on by default, trusting
 ``127.0.0.1``) rewrites the ASGI ``client`` from ``X-Forwarded-For`` before any middleware runs.
@@ -31,17 +36,32 @@ Either keep that and leave ``trusted_proxies`` empty, or run uvicorn with
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+import contextlib
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiolimit._decision import Decision
+from aiolimit._errors import ConfigurationError
 from aiolimit._limiter import Limiter
+from aiolimit._limits import BaseLimit
 from aiolimit._web.client_ip import DEFAULT_IPV6_PREFIX, ClientIPResolver, ForwardedHeader
-from aiolimit._web.flow import RouteLimit, RouteTable, Rule, Verdict, judge, refund_quietly
+from aiolimit._web.flow import (
+    Layer,
+    OwnLimits,
+    RequestLimits,
+    RouteLimit,
+    RouteTable,
+    Rule,
+    Verdict,
+    judge,
+)
 from aiolimit._web.headers import PROBLEM_CONTENT_TYPE
 from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, raw_header_key
 
@@ -51,6 +71,7 @@ __all__ = [
     "RateLimitExceeded",
     "RateLimitMiddleware",
     "RouteLimit",
+    "exempt",
     "header_key",
     "path_key",
     "rate_limit_exceeded_handler",
@@ -82,13 +103,112 @@ def _encode(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
     return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers]
 
 
+EXEMPT_MARK = "__aiolimit_exempt__"
+#: Where the first layer to judge a request leaves its ``RequestLimits`` in the ASGI scope.
+SCOPE_KEY = "aiolimit.request"
+
+E = TypeVar("E")
+
+
+def exempt(endpoint: E) -> E:
+    """Marks an endpoint as exempt from the middleware's limits (its own limits still apply).
+
+    ``@app.get("/health")`` above ``@exempt`` (FastAPI), or ``Route("/health", exempt(health))``.
+    """
+    try:
+        setattr(endpoint, EXEMPT_MARK, True)
+    except AttributeError as exc:  # a builtin or a class with __slots__
+        raise ConfigurationError(f"cannot mark {endpoint!r} exempt: {exc}") from exc
+    return endpoint
+
+
+def route_scope(request: Request) -> str:
+    """A route's own limits are kept per ``"<methods> <path template>"`` (``"GET /items/{id}"``)."""
+    route = request.scope.get("route")
+    path = getattr(route, "path", None)
+    if not isinstance(path, str):
+        return request.url.path
+    methods = getattr(route, "methods", None) or ()
+    shown = sorted(m for m in methods if m != "HEAD") or sorted(methods)
+    where = request.scope.get("root_path", "") + path
+    return f"{','.join(shown)} {where}" if shown else where
+
+
+def _walk_dependencies(dependant: Any, found: dict[int, RateLimit], depth: int = 0) -> None:
+    if dependant is None or depth > 32:
+        return
+    for sub in getattr(dependant, "dependencies", ()):
+        call = getattr(sub, "call", None)
+        if isinstance(call, RateLimit):
+            found.setdefault(id(call), call)
+        _walk_dependencies(sub, found, depth + 1)
+
+
+def route_limits(route: Any) -> tuple[tuple[RateLimit, ...], bool]:
+    """The ``RateLimit`` dependencies of a route (FastAPI, at any depth) and its exemption."""
+    try:
+        cached = _ROUTE_MARKS.get(route)
+    except TypeError:  # None, or not weakly referable
+        cached = None
+    if cached is not None:
+        return cached
+    found: dict[int, RateLimit] = {}
+    _walk_dependencies(getattr(route, "dependant", None), found)
+    endpoint = getattr(route, "endpoint", None)
+    marks = (tuple(found.values()), bool(getattr(endpoint, EXEMPT_MARK, False)))
+    with contextlib.suppress(TypeError):  # not weakly referable: not cached
+        _ROUTE_MARKS[route] = marks
+    return marks
+
+
+_ROUTE_MARKS: weakref.WeakKeyDictionary[Any, tuple[tuple[RateLimit, ...], bool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _marked(routes: Sequence[Any], depth: int = 0) -> bool:
+    """Whether any route (through mounts) has limits of its own or is exempt."""
+    for route in routes:
+        layers, is_exempt = route_limits(route)
+        if layers or is_exempt:
+            return True
+        inner = getattr(route, "routes", None)
+        if inner and depth < 8 and not hasattr(route, "endpoint") and _marked(inner, depth + 1):
+            return True
+    return False
+
+
+def match_route(routes: Sequence[Any], scope: Scope, depth: int = 0) -> tuple[Any, Scope] | None:
+    """The route Starlette's router will pick (the first full match, else the first partial
+    one), through mounts, and the scope it will see; None when nothing matches."""
+    partial: tuple[Any, Scope] | None = None
+    for route in routes:
+        match, child = route.matches(scope)
+        if match is Match.NONE:
+            continue
+        inner = getattr(route, "routes", None)
+        if match is Match.FULL:
+            merged = {**scope, **child, "route": route}
+            if inner is not None and not hasattr(route, "endpoint") and depth < 8:
+                return match_route(inner, merged, depth + 1)
+            return route, merged
+        if partial is None:
+            partial = (route, {**scope, **child, "route": route})
+    return partial
+
+
 class RateLimitMiddleware:
     """Pure ASGI middleware: limits every HTTP request (websockets and lifespan pass through).
 
     ``routes`` maps an exact path, or a ``"/prefix*"`` pattern, to a ``RouteLimit`` (another
     limiter, keys or weight) or to ``None`` (exempt). ``exempt(request)`` (sync or async)
-    returning true skips limiting. With ``refund_on_error`` the weight is given back when the
-    app raises or answers 5xx (never when the client hangs up: that would make requests free).
+    returning true skips limiting, and so does an endpoint marked with ``exempt``. With
+    ``refund_on_error`` the weight is given back when the app raises or answers 5xx (never
+    when the client hangs up: that would make requests free).
+
+    The middleware finds the route the request goes to, and the ``RateLimit`` dependencies
+    on it, and judges them together with its own keys: one decision per limiter (one for all
+    when they share it), all or nothing, one set of ``RateLimit`` fields on the response.
     """
 
     def __init__(
@@ -115,8 +235,10 @@ class RateLimitMiddleware:
         self._exempt = exempt
         self._refund = refund_on_error
         self._legacy = legacy_headers
+        self._marked: dict[int, tuple[int, bool]] = {}
 
-    def _client_ip(self, scope: Scope) -> str | None:
+    def _client_ip(self, request: Request) -> str | None:
+        scope = request.scope
         client = scope.get("client")
         peer = client[0] if client else None
         if not self._resolver.trusted:
@@ -124,45 +246,65 @@ class RateLimitMiddleware:
         values = [v.decode("latin-1") for k, v in scope["headers"] if k == self._header]
         return self._resolver.resolve(peer, values)
 
+    def _route(self, scope: Scope) -> tuple[tuple[RateLimit, ...], bool, Scope]:
+        """The matched route's own layers and exemption, and the scope it will see."""
+        router = getattr(scope.get("app"), "router", None)
+        routes = getattr(router, "routes", None)
+        if not routes:
+            return (), False, scope
+        known = self._marked.get(id(routes))
+        if known is None or known[0] != len(routes):
+            known = (len(routes), _marked(routes))
+            self._marked[id(routes)] = known
+        if not known[1]:
+            return (), False, scope
+        found = match_route(routes, scope)
+        if found is None:
+            return (), False, scope
+        layers, is_exempt = route_limits(found[0])
+        return layers, is_exempt, found[1]
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rule = self._routes.match(scope["path"])
-        if rule is None:
+        own, is_exempt, seen = self._route(scope)
+        rule = None if is_exempt else self._routes.match(scope["path"])
+        request = Request(seen, receive)
+        if rule is not None and self._exempt is not None and await _call(self._exempt, request):
+            rule = None
+        layers = [dep.layer for dep in own]
+        if rule is not None:
+            layers.insert(0, Layer(rule, self._client_ip, refund=self._refund))
+        if not layers:
             await self.app(scope, receive, send)
             return
-        request = Request(scope, receive)
-        if self._exempt is not None and await _call(self._exempt, request):
-            await self.app(scope, receive, send)
-            return
-        verdict = await judge(rule, request, lambda: self._client_ip(scope), legacy=self._legacy)
-        if verdict is None:
-            await self.app(scope, receive, send)
-            return
-        if verdict.refused:
+        state = RequestLimits(own, self._legacy)
+        scope[SCOPE_KEY] = state
+        verdict = await judge(layers, request, legacy=self._legacy)
+        if verdict is not None and verdict.refused:
             await _send_problem(send, verdict)
             return
-        extra = _encode(verdict.headers)
+        state.verdict = verdict
         status = 0
 
         async def send_with_headers(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+                extra = _encode(state.headers())
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
 
-        if not (self._refund and verdict.refundable):
-            await self.app(scope, receive, send_with_headers)
-            return
         try:
             await self.app(scope, receive, send_with_headers)
         except Exception:
-            await refund_quietly(verdict.limiter, verdict.ids, verdict.weight)
+            if state.verdict is not None and state.verdict.refund:
+                await state.verdict.give_back()
             raise
-        if status >= 500:
-            await refund_quietly(verdict.limiter, verdict.ids, verdict.weight)
+        if status >= 500 and state.verdict is not None and state.verdict.refund:
+            await state.verdict.give_back()
 
 
 async def _send_problem(send: Send, verdict: Verdict) -> None:
@@ -180,8 +322,9 @@ async def _send_problem(send: Send, verdict: Verdict) -> None:
 class RateLimitExceeded(HTTPException):
     """Raised by the ``RateLimit`` dependency: 429 (or 503 when the store is down).
 
-    Register ``rate_limit_exceeded_handler`` for an RFC 9457 body; without it FastAPI's default
-    handler still answers the right status and headers with ``{"detail": ...}``.
+    Answered as RFC 9457 problem+json with no registration needed: the dependency adds
+    ``rate_limit_exceeded_handler`` to the app's handlers the first time it refuses, unless a
+    handler for this class (or for status 429/503) is registered already.
     """
 
     def __init__(self, verdict: Verdict) -> None:
@@ -191,7 +334,7 @@ class RateLimitExceeded(HTTPException):
 
 
 async def rate_limit_exceeded_handler(request: Request, exc: Exception) -> Response:
-    """``app.add_exception_handler(RateLimitExceeded, rate_limit_exceeded_handler)``."""
+    """Renders ``RateLimitExceeded`` as problem+json (registered for you; see there)."""
     if not isinstance(exc, RateLimitExceeded):  # pragma: no cover - registered for it only
         raise exc
     verdict = exc.verdict
@@ -200,32 +343,65 @@ async def rate_limit_exceeded_handler(request: Request, exc: Exception) -> Respo
     )
 
 
-class RateLimit:
-    """FastAPI dependency: ``Depends(RateLimit(limiter, keys=..., weight=5))`` per route.
+def _ensure_handler(scope: Scope) -> None:
+    handlers = scope.get("starlette.exception_handlers")
+    if isinstance(handlers, tuple) and len(handlers) == 2 and isinstance(handlers[0], dict):
+        handlers[0].setdefault(RateLimitExceeded, rate_limit_exceeded_handler)
 
-    It yields the ``Decision`` (or None when no key applied), sets the headers on the response
-    (when the endpoint returns data rather than a ``Response`` of its own, as FastAPI merges
-    them then), and raises ``RateLimitExceeded`` when refused. With ``refund_on_error`` the
-    weight is given back when the endpoint raises anything but an ``HTTPException`` below 500.
+
+class RateLimit:
+    """FastAPI dependency: ``Depends(RateLimit(limiter, "5/minute"))`` on a route.
+
+    With ``limits`` (``"5/minute"``, ``"10/second;100/hour"`` or ``Limit`` objects) the route
+    has limits of its own, per client IP by default, or per ``key`` (one key function) or
+    ``keys`` (kind -> key function); they are kept per route (its methods and path template),
+    or per ``name`` shared by every route that uses it, and never touch the limiter's rules.
+    Without ``limits`` it applies the limiter's rules to ``keys`` (default: the client IP).
+
+    ``weight`` is what a request to this route costs, under every limit that applies to it
+    (the middleware's too); unset, a route costs the middleware's weight, or 1.
+
+    Under ``RateLimitMiddleware`` the middleware judges the route's dependencies with its own
+    keys, once; the dependency then only yields the decision. Alone, the first ``RateLimit``
+    of a route to run judges all of the route's. It yields the ``Decision`` (None when no key
+    applied), sets the headers on the response (when the endpoint returns data rather than a
+    ``Response`` of its own, as FastAPI merges them then), and raises ``RateLimitExceeded``
+    (problem+json) when refused. With ``refund_on_error`` the weight is given back when the
+    endpoint raises anything but an ``HTTPException`` below 500.
     """
 
     def __init__(
         self,
         limiter: Limiter,
+        limits: str | Sequence[BaseLimit | str] | None = None,
         *,
+        key: KeyFunc | None = None,
         keys: Mapping[str, KeyFunc] | None = None,
-        weight: int | WeightFunc = 1,
+        weight: int | WeightFunc | None = None,
+        name: str | None = None,
         trusted_proxies: Iterable[str] = (),
         forwarded_header: ForwardedHeader = "x-forwarded-for",
         ipv6_prefix: int = DEFAULT_IPV6_PREFIX,
         refund_on_error: bool = False,
         legacy_headers: bool = False,
     ) -> None:
-        self._rule = Rule(limiter, keys or {"ip": CLIENT_IP}, weight)
+        if key is not None:
+            if keys is not None:
+                raise ConfigurationError("give key= (one key function) or keys=, not both")
+            if limits is None:
+                raise ConfigurationError(
+                    "key= names a route's own limits' key: give limits too (e.g. '5/minute'), "
+                    "or keys={kind: key function} to apply the limiter's rules"
+                )
+            keys = {"key": key}
+        if limits is None and name is not None:
+            raise ConfigurationError("name= names a route's own limits: give limits too")
+        own = None if limits is None else OwnLimits(limits, name, route_scope)
+        rule = Rule(limiter, keys or {"ip": CLIENT_IP}, 1 if weight is None else weight, own)
         self._resolver = ClientIPResolver(
             trusted_proxies, header=forwarded_header, ipv6_prefix=ipv6_prefix
         )
-        self._refund = refund_on_error
+        self.layer = Layer(rule, self._client_ip, weight is not None, refund_on_error)
         self._legacy = legacy_headers
 
     def _client_ip(self, request: Request) -> str | None:
@@ -235,25 +411,43 @@ class RateLimit:
     async def __call__(
         self, request: Request, response: Response
     ) -> AsyncIterator[Decision | None]:
-        verdict = await judge(
-            self._rule, request, lambda: self._client_ip(request), legacy=self._legacy
-        )
+        scope = request.scope
+        state = scope.get(SCOPE_KEY)
+        limiter = self.layer.rule.limiter
+        if isinstance(state, RequestLimits) and state.judged(self):
+            # Judged already, with the middleware's keys or by the route's first RateLimit.
+            yield None if state.verdict is None else state.verdict.decision_for(limiter)
+            return
+        if isinstance(state, RequestLimits):
+            verdict = await state.add([self.layer], request)
+            outer = True
+        else:
+            own, _ = route_limits(scope.get("route"))
+            mine = own if self in own else (self,)
+            state = RequestLimits(mine, self._legacy)
+            scope[SCOPE_KEY] = state
+            verdict = state.verdict = await judge(
+                [dep.layer for dep in mine], request, legacy=self._legacy
+            )
+            outer = False
         if verdict is None:
             yield None
             return
         if verdict.refused:
+            _ensure_handler(scope)
             raise RateLimitExceeded(verdict)
-        for name, value in verdict.headers:
-            response.headers[name] = value
-        if not (self._refund and verdict.refundable):
-            yield verdict.decision
+        if not outer:
+            for name, value in verdict.headers:
+                response.headers[name] = value
+        if not (verdict.refund and verdict.refundable):
+            yield verdict.decision_for(limiter)
             return
         try:
-            yield verdict.decision
+            yield verdict.decision_for(limiter)
         except HTTPException as exc:
             if exc.status_code >= 500:
-                await refund_quietly(verdict.limiter, verdict.ids, verdict.weight)
+                await verdict.give_back()
             raise
         except Exception:
-            await refund_quietly(verdict.limiter, verdict.ids, verdict.weight)
+            await verdict.give_back()
             raise

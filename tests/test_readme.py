@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from pathlib import Path
 
 import anyio
@@ -36,32 +37,93 @@ def test_first_two_commands_are_demo_and_test() -> None:
     assert "bash dev.sh test" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
-def web_example() -> str:
+def web_examples() -> tuple[str, str]:
+    """The README's FastAPI block and its aiohttp block (which uses the FastAPI one's limiter)."""
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
-    assert len(blocks) >= 2, "README has no web example"
-    return blocks[1]
+    fastapi = [b for b in blocks if "RateLimitMiddleware" in b]
+    aiohttp = [b for b in blocks if "rate_limit_middleware" in b]
+    assert len(fastapi) == 1 and len(aiohttp) == 1, "README has one FastAPI and one aiohttp example"
+    return fastapi[0], aiohttp[0]
 
 
-async def test_web_example_serves_limited_requests(redis_url: str) -> None:
-    """The README's FastAPI app answers through the middleware with RateLimit headers."""
+def one_field_set(headers: list[tuple[str, str]]) -> dict[str, int]:
+    """The single RateLimit field's remaining per policy; asserts the policies match it."""
+    policies = [v for k, v in headers if k.lower() == "ratelimit-policy"]
+    limits = [v for k, v in headers if k.lower() == "ratelimit"]
+    assert len(policies) == 1 and len(limits) == 1, headers
+    names = [item.split(";")[0].strip().strip('"') for item in policies[0].split(",")]
+    assert len(names) == len(set(names)), names
+    left = {}
+    for item in limits[0].split(","):
+        name, *params = item.strip().split(";")
+        left[name.strip('"')] = int(dict(p.split("=") for p in params)["r"])
+    assert sorted(left) == sorted(names)
+    return left
+
+
+async def test_web_examples_give_one_field_set_under_uvicorn_and_aiohttp(
+    redis_url: str, prefix: str
+) -> None:
+    """The README's web apps, run as written under real uvicorn and aiohttp servers."""
     import httpx
+    import uvicorn
+    from aiohttp import web
 
+    fastapi_code, aiohttp_code = web_examples()
+    # The README's per-minute limits are calendar-aligned: start well inside a minute.
+    into_minute = time.time() % 60
+    if into_minute > 55:
+        await asyncio.sleep(60.05 - into_minute)
     namespace: dict[str, object] = {}
-    code = web_example().replace("redis://127.0.0.1:6379/0", redis_url)
+    code = fastapi_code.replace("redis://127.0.0.1:6379/0", redis_url).replace(
+        "on_error=", f"prefix={prefix!r}, on_error="
+    )
     exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(aiohttp_code, "README.md", "exec"), namespace)
     limiter = namespace["limiter"]
-    transport = httpx.ASGITransport(app=namespace["api"])  # type: ignore[arg-type]
+    config = uvicorn.Config(
+        namespace["api"], host="127.0.0.1", port=0, log_level="critical", lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    runner = web.AppRunner(namespace["app"], access_log=None)  # type: ignore[arg-type]
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            response = await client.get("/report", headers={"x-user": "readme"})
-        assert response.status_code == 200
-        assert response.json() == {"report": "ready"}
-        assert "ratelimit-policy" in response.headers
-        assert "ratelimit" in response.headers
-        routes = namespace["app"].router.routes()  # type: ignore[attr-defined]
-        assert {route.resource.canonical for route in routes} == {"/search"}
+        with anyio.fail_after(10):
+            while not server.started:
+                assert not task.done()
+                await asyncio.sleep(0.005)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        aio_port = runner.addresses[0][1]
+        user = {"x-user": "readme"}
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            reports = [await client.get("/report", headers=user) for _ in range(6)]
+            health = await client.get("/health")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{aio_port}") as client:
+            search = await client.get("/search")
+            ping = await client.get("/ping")
+        assert [r.status_code for r in reports] == [200] * 5 + [429]
+        assert reports[0].json() == {"report": "ready"}
+        first = one_field_set(reports[0].headers.multi_items())
+        assert first["user-100-per-60s"] == 99 and first["GET__report-5-per-3600s"] == 4
+        last = one_field_set(reports[4].headers.multi_items())
+        assert last["user-100-per-60s"] == 95 and last["GET__report-5-per-3600s"] == 0
+        refused = reports[5]
+        assert refused.headers["content-type"] == "application/problem+json"
+        assert refused.json()["violated-policies"] == ["GET__report-5-per-3600s"]
+        # The refusal charged nothing: the user still has 95 of 100.
+        assert (await limiter.peek("user:readme")).remaining == 95  # type: ignore[attr-defined]
+        assert "ratelimit" not in health.headers
+        found = one_field_set(search.headers.multi_items())
+        assert found["GET__search-30-per-60s"] == 25  # weight 5, on its own limit too
+        assert ping.status_code == 200 and "ratelimit" not in ping.headers
     finally:
-        await limiter.aclose()  # type: ignore[attr-defined]
+        server.should_exit = True
+        await task  # the lifespan closed the limiter
+        await runner.cleanup()
+    assert limiter._closed  # type: ignore[attr-defined]
 
 
 def test_limited_example_runs() -> None:

@@ -8,6 +8,7 @@ problem+json bodies (``headers``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 from aiolimit._decision import Decision
 from aiolimit._errors import BackendError, ConfigurationError, WeightNeverFits
 from aiolimit._limiter import Limiter
+from aiolimit._rules import check_limits
 from aiolimit._validation import MAX_AMOUNT, check_int
 from aiolimit._web.headers import (
     never_fits_body,
@@ -44,11 +46,22 @@ class RouteLimit:
 
 
 class Rule:
-    """One resolved set of settings: which limiter, which keys, what weight."""
+    """One resolved set of settings: which limiter, which keys, what weight.
 
-    __slots__ = ("keys", "limiter", "weight")
+    With ``own`` the rule carries limits of its own (a route's ``"5/minute"``): its identifiers
+    are of a kind of their own, named after the route (see ``OwnLimits``), and never touch the
+    limiter's other rules.
+    """
 
-    def __init__(self, limiter: Limiter, keys: Mapping[str, KeyFunc], weight: int | WeightFunc):
+    __slots__ = ("keys", "limiter", "own", "weight")
+
+    def __init__(
+        self,
+        limiter: Limiter,
+        keys: Mapping[str, KeyFunc],
+        weight: int | WeightFunc,
+        own: OwnLimits | None = None,
+    ):
         if not isinstance(limiter, Limiter):
             raise ConfigurationError(f"limiter must be an aiolimit.Limiter, got {limiter!r}")
         if not callable(weight):
@@ -56,14 +69,16 @@ class Rule:
         self.limiter = limiter
         self.keys = check_keys(keys)
         self.weight = weight
+        self.own = own
 
     async def identifiers(self, request: Any, client_ip: Callable[[], str | None]) -> list[str]:
         ids = []
+        prefix = "" if self.own is None else self.own.kind_for(self.limiter, request) + ":"
         for kind, func in self.keys.items():
             raw = client_ip() if func is CLIENT_IP else await _call(func, request)
             value = key_value(raw)
             if value is not None:
-                ids.append(f"{kind}:{value}")
+                ids.append(f"{prefix}{kind}:{value}")
         return ids
 
     async def weight_of(self, request: Any) -> int:
@@ -72,6 +87,43 @@ class Rule:
             return weight
         value = await _call(weight, request)
         return check_int("a weight function's result", value, 1, MAX_AMOUNT)
+
+
+def escape_kind(text: str) -> str:
+    """Text usable as an identifier kind: ``%`` and ``:`` percent-escaped (one to one)."""
+    return text.replace("%", "%25").replace(":", "%3A")
+
+
+class OwnLimits:
+    """Limits declared where a route is: ``"5/minute"`` for this route only, per key.
+
+    The identifiers are ``<scope>:<key kind>:<value>`` (``"GET /search:ip:203.0.113.7"``):
+    ``scope`` is ``name`` when given (routes naming the same scope share one budget), else the
+    route's methods and path template, as the framework's ``route_scope`` finds them. Each
+    scope becomes a rule of the limiter the first time it is seen (``Limiter.add_rule``).
+    """
+
+    __slots__ = ("limits", "name", "route_scope", "seen")
+
+    def __init__(
+        self,
+        limits: Any,
+        name: str | None,
+        route_scope: Callable[[Any], str],
+    ) -> None:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigurationError(f"name must be non-empty text, got {name!r}")
+        self.limits = check_limits("the route's limits", limits)
+        self.name = None if name is None else escape_kind(name)
+        self.route_scope = route_scope
+        self.seen: set[tuple[int, str]] = set()
+
+    def kind_for(self, limiter: Limiter, request: Any) -> str:
+        kind = self.name if self.name is not None else escape_kind(self.route_scope(request))
+        if (id(limiter), kind) not in self.seen:
+            limiter.add_rule(kind, self.limits)
+            self.seen.add((id(limiter), kind))
+        return kind
 
 
 class RouteTable:
@@ -130,17 +182,50 @@ async def refund_quietly(limiter: Limiter, ids: Sequence[str], weight: int) -> N
 # -- one request ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One declaration limiting a request: a middleware's rule, a dependency, a decorator.
+
+    ``weight_given``: its weight is the route's (a request costs one weight under every limit
+    that applies to it: the largest given by a route's layers, else the middleware's).
+    ``client_ip`` resolves the client's IP as this layer was told to (its trusted proxies).
+    """
+
+    rule: Rule
+    client_ip: Callable[[Any], str | None]
+    weight_given: bool = False
+    refund: bool = False
+
+
 @dataclass(slots=True)
-class Verdict:
-    """What to do with one request: pass it with ``headers``, or answer ``status``/``body``."""
+class Charge:
+    """One limiter's decision within a request's verdict."""
 
     limiter: Limiter
     ids: list[str]
     weight: int
+    decision: Decision
+
+    @property
+    def refundable(self) -> bool:
+        """Admitted and really charged (a degraded admission charged nothing)."""
+        return self.decision.allowed and not self.decision.degraded
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What to do with one request: pass it with ``headers``, or answer ``status``/``body``.
+
+    ``charges`` are the admitted decisions, one per limiter (those to give back on a refund);
+    ``decision`` is the deciding one: the refusal, or all admissions merged.
+    """
+
+    charges: list[Charge]
     decision: Decision | None
     headers: list[tuple[str, str]]
     status: int = 200
     body: bytes = b""
+    refund: bool = False
 
     @property
     def refused(self) -> bool:
@@ -148,31 +233,134 @@ class Verdict:
 
     @property
     def refundable(self) -> bool:
-        """Admitted and really charged (a degraded admission charged nothing)."""
-        return self.decision is not None and self.decision.allowed and not self.decision.degraded
+        return any(charge.refundable for charge in self.charges)
+
+    def decision_for(self, limiter: Limiter) -> Decision | None:
+        for charge in self.charges:
+            if charge.limiter is limiter:
+                return charge.decision
+        return None
+
+    async def give_back(self) -> None:
+        """Refunds every real charge (once: they are dropped)."""
+        charges, self.charges = self.charges, []
+        for charge in charges:
+            if charge.refundable:
+                await refund_quietly(charge.limiter, charge.ids, charge.weight)
 
 
-async def judge(
-    rule: Rule, request: Any, client_ip: Callable[[], str | None], *, legacy: bool
-) -> Verdict | None:
-    """Asks the limiter about one request; None when no key applies (nothing is limited).
+def merged_headers(charges: Sequence[Charge], *, legacy: bool) -> list[tuple[str, str]]:
+    """One ``RateLimit-Policy`` and one ``RateLimit`` field for every admitted decision."""
+    real = [charge.decision for charge in charges if not charge.decision.degraded]
+    if not real:
+        return []
+    if len(real) == 1:
+        return rate_limit_headers(real[0], legacy=legacy)
+    details = tuple(pair for decision in real for pair in decision.details)
+    return rate_limit_headers(Decision.from_pairs(details), legacy=legacy)
 
-    Store failures follow the limiter's ``on_error``: a degraded admission passes without
+
+async def judge(layers: Sequence[Layer], request: Any, *, legacy: bool) -> Verdict | None:
+    """Judges one request under every layer that limits it; None when no key applies.
+
+    The layers' identifiers are gathered per limiter; each limiter decides once, all or
+    nothing, at the request's one weight. With several limiters they decide in turn and a
+    refusal gives back what the earlier ones charged: a refused request is charged nothing.
+    Store failures follow each limiter's ``on_error``: a degraded admission passes without
     headers, a degraded refusal is a 503, and ``"raise"`` lets ``BackendError`` through.
     """
-    ids = await rule.identifiers(request, client_ip)
-    if not ids:
+    groups: dict[int, tuple[Limiter, dict[str, None]]] = {}
+    for layer in layers:
+        ids = await layer.rule.identifiers(request, functools.partial(layer.client_ip, request))
+        if ids:
+            limiter = layer.rule.limiter
+            group = groups.setdefault(id(limiter), (limiter, {}))[1]
+            group.update(dict.fromkeys(ids))
+    if not groups:
         return None
-    weight = await rule.weight_of(request)
-    try:
-        decision = await rule.limiter.try_acquire(ids, weight)
-    except WeightNeverFits as exc:
-        status, body = never_fits_body(exc)
-        return Verdict(rule.limiter, ids, weight, None, [], status, body)
-    headers = rate_limit_headers(decision, legacy=legacy)
-    if decision.allowed:
-        return Verdict(rule.limiter, ids, weight, decision, headers)
+    given = [layer for layer in layers if layer.weight_given]
+    if given:
+        weight = max([await layer.rule.weight_of(request) for layer in given])
+    else:
+        weight = await layers[0].rule.weight_of(request)
+    refund = any(layer.refund for layer in layers)
+    verdict = Verdict([], None, [], refund=refund)
+    for limiter, group in groups.values():
+        ids = list(group)
+        try:
+            decision = await limiter.try_acquire(ids, weight)
+        except WeightNeverFits as exc:
+            await verdict.give_back()
+            status, body = never_fits_body(exc)
+            return Verdict([], None, [], status, body)
+        except BaseException:
+            await verdict.give_back()
+            raise
+        if not decision.allowed:
+            await verdict.give_back()
+            return refusal(decision, legacy=legacy)
+        verdict.charges.append(Charge(limiter, ids, weight, decision))
+    charges = verdict.charges
+    verdict.decision = (
+        charges[0].decision
+        if len(charges) == 1
+        else Decision.from_pairs(tuple(p for c in charges for p in c.decision.details))
+    )
+    verdict.headers = merged_headers(charges, legacy=legacy)
+    return verdict
+
+
+def refusal(decision: Decision, *, legacy: bool) -> Verdict:
+    """The verdict for a refused decision: 429 (or 503 when degraded) and its body."""
     status, body = problem_body(decision)
     if decision.degraded:
         headers = [("Retry-After", str(retry_after_seconds(decision)))]
-    return Verdict(rule.limiter, ids, weight, decision, headers, status, body)
+    else:
+        headers = rate_limit_headers(decision, legacy=legacy)
+    return Verdict([], decision, headers, status, body)
+
+
+# -- several layers on one request ----------------------------------------------------------
+
+
+class RequestLimits:
+    """What the first layer to judge a request leaves for the others (in the ASGI scope or
+    the aiohttp request): the layers it judged, what it charged, and a refusal by a later one.
+
+    A layer it judged does nothing more. A layer it did not see (another limiter's
+    dependency it could not find) judges on its own: if it refuses, it gives back what this
+    request was charged and records the refusal, and the outer layer passes the refusal's
+    response as it is; if it admits, its decision joins the response's headers.
+    """
+
+    __slots__ = ("included", "legacy", "refused", "verdict")
+
+    def __init__(self, included: Sequence[object], legacy: bool) -> None:
+        self.included = {id(layer): layer for layer in included}
+        self.legacy = legacy
+        self.verdict: Verdict | None = None
+        self.refused: Verdict | None = None
+
+    def judged(self, marker: object) -> bool:
+        return id(marker) in self.included
+
+    def headers(self) -> list[tuple[str, str]]:
+        if self.refused is not None or self.verdict is None:
+            return []
+        return merged_headers(self.verdict.charges, legacy=self.legacy)
+
+    async def add(self, layers: Sequence[Layer], request: Any) -> Verdict | None:
+        """Judges layers the first one did not see; a refusal gives everything back."""
+        verdict = await judge(layers, request, legacy=self.legacy)
+        if verdict is None:
+            return None
+        if verdict.refused:
+            if self.verdict is not None:
+                await self.verdict.give_back()
+            self.refused = verdict
+        elif self.verdict is None:
+            self.verdict = verdict
+        else:
+            self.verdict.charges += verdict.charges
+            self.verdict.refund = self.verdict.refund or verdict.refund
+        return verdict
