@@ -22,6 +22,7 @@ from aiolimit._errors import (
 from aiolimit._lease import Lease
 from aiolimit._limiter import Acquisition, Limiter, LimiterStatistics
 from aiolimit._limits import BaseLimit, Limit, parse_limits
+from aiolimit._ruleset import Override, RulesError, RuleSet
 
 __all__ = [
     "Acquisition",
@@ -43,8 +44,11 @@ __all__ = [
     "LimiterStatistics",
     "LocalClock",
     "MinInterval",
+    "Override",
     "PairDecision",
     "RateLimited",
+    "RuleSet",
+    "RulesError",
     "ServerClock",
     "SlidingLog",
     "TokenBucket",

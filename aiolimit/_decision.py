@@ -41,6 +41,10 @@ class Decision:
     - ``details``: every pair's own verdict.
     - ``degraded``: the store could not be asked and the failure policy decided instead.
     - ``lease``: under a ``Concurrency`` limit, the slots this admission holds; release them.
+    - ``denied``: refused by the rules' deny list (``identifier`` says which); waiting cannot
+      help (``retry_after`` is infinite).
+    - ``shadow_refusals``: the pairs of shadow rules that refused this request; it was admitted
+      (and charged under the enforced rules) anyway.
     """
 
     allowed: bool
@@ -52,6 +56,8 @@ class Decision:
     details: tuple[PairDecision, ...] = ()
     degraded: bool = False
     lease: Lease | None = None
+    denied: bool = False
+    shadow_refusals: tuple[PairDecision, ...] = ()
 
     def __bool__(self) -> bool:
         return self.allowed

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from contextvars import Token
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ ON_ERROR_CHOICES = ("open", "closed", "raise")
 BreakerState = Literal["closed", "open", "half_open"]
 
 logger = logging.getLogger("aiolimit")
+#: Degraded decisions are logged at most once per this many seconds (with their count).
+DEGRADED_LOG_INTERVAL = 10.0
 
 
 class DeadlineExceeded(BackendUnavailable):
@@ -218,6 +221,8 @@ class FailurePolicy:
         self.timeouts = 0
         #: The store's address, for messages (set by the limiter once its store is open).
         self.address = "the store"
+        self._logged_at = -math.inf
+        self._unlogged = 0
 
     def breaker_for(self, domain: str) -> CircuitBreaker:
         """The breaker of one fault domain ("" is the whole store)."""
@@ -271,10 +276,27 @@ class FailurePolicy:
         if on_error == "raise":
             _reraise(error)
         self.degraded += 1
+        self._log_degraded(error)
         if on_error == "open":
             return Decision(True, 0, 0.0, 0.0, None, None, (), degraded=True)
         wait = max(self.breaker.retry_after(), 0.001)
         return Decision(False, 0, wait, wait, None, None, (), degraded=True)
+
+    def _log_degraded(self, error: BackendError) -> None:
+        """One WARNING per ``DEGRADED_LOG_INTERVAL`` at most, counting the ones it stands for."""
+        now = time.monotonic()
+        self._unlogged += 1
+        if now - self._logged_at < DEGRADED_LOG_INTERVAL:
+            return
+        admitted = "admitted" if self.on_error == "open" else "refused"
+        logger.warning(
+            "aiolimit degraded: %d decision(s) %s without the store (on_error=%r) since the "
+            "last report; last error from %s: %s",
+            self._unlogged, admitted, self.on_error, self.address, error,
+            extra={"aiolimit_event": "degraded", "aiolimit_count": self._unlogged},
+        )  # fmt: skip
+        self._logged_at = now
+        self._unlogged = 0
 
     def statistics(self) -> BreakerStatistics:
         """Every breaker together: the worst state, the counters summed."""

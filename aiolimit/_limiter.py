@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -23,11 +25,13 @@ from aiolimit._errors import (
     UsageError,
 )
 from aiolimit._failure import BreakerStatistics, CircuitBreaker, FailurePolicy, OnError
+from aiolimit._follow import RulesFollower, publish
 from aiolimit._keys import check_prefix
 from aiolimit._limits import BaseLimit
 from aiolimit._protocol import Protocol
 from aiolimit._refusals import DEFAULT_SIZE, RefusalCache
 from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight
+from aiolimit._ruleset import RuleSet
 from aiolimit._stores import default_deadline, open_store
 from aiolimit._stores.base import Store
 from aiolimit._validation import MAX_SECONDS, check_bool, check_int, check_optional_seconds
@@ -62,6 +66,15 @@ class LimiterStatistics:
     compensations: int
     #: Refusals answered by the local refusal cache, without asking the store.
     cached_refusals: int
+    #: Refused by the rules' deny list (counted in ``refused`` too).
+    denied: int
+    #: Admitted although a shadow rule refused them (counted in ``allowed``).
+    shadow_refusals: int
+    #: Following the rules in Redis: the version in force (None: the limiter's own rules),
+    #: how many times the rules were replaced, and invalid documents rejected.
+    rules_version: str | None
+    rules_reloads: int
+    rules_rejected: int
     #: The failure policy's circuit breaker: state and counters (see ``aiolimit._failure``).
     breaker: BreakerStatistics
 
@@ -98,6 +111,9 @@ class Limiter:
         recovery_time: float = 1.0,
         cache_refusals: bool = False,
         refusal_cache_size: int = DEFAULT_SIZE,
+        follow_rules: bool = False,
+        rules_interval: float = 1.0,
+        override_cache_size: int = 100_000,
     ) -> None:
         # Failure policy (aiolimit._failure): each decision gets `deadline` seconds ("auto":
         # 1 s, or 5 s on a cluster so a failover is ridden through); a store
@@ -124,6 +140,9 @@ class Limiter:
             else None
         )
         self._rules = Rules(limits, check_prefix(prefix))
+        self._initial_rules = self._rules
+        self._added_rules: dict[str, tuple[BaseLimit, ...]] = {}
+        self._rules_special = self._rules.ruleset is not None
         self._store: Store = open_store(
             store,
             socket_timeout=socket_timeout,
@@ -134,9 +153,35 @@ class Limiter:
         if not isinstance(self.clock, Clock):
             raise ConfigurationError(f"clock must implement aiolimit.Clock, got {clock!r}")
         self._protocol = Protocol(self._store, self.clock, penalty=count_refused)
-        self._counts = {"decisions": 0, "allowed": 0, "refused": 0, "errors": 0, "waits": 0}
+        self._counts = {
+            "decisions": 0,
+            "allowed": 0,
+            "refused": 0,
+            "errors": 0,
+            "waits": 0,
+            "denied": 0,
+            "shadow_refusals": 0,
+        }
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        # follow_rules (aiolimit._follow): the rules document in Redis under this prefix
+        # replaces `limits` while it exists, in every process, within rules_interval seconds.
+        self._follower: RulesFollower | None = None
+        if check_bool("follow_rules", follow_rules):
+            if not self._store.loop_bound or self._store.address.startswith("memory"):
+                raise ConfigurationError(
+                    "follow_rules=True needs a Redis server (the rules document lives there)"
+                )
+            self._follower = RulesFollower(
+                self._store,
+                self._rules.prefix,
+                self.set_rules,
+                interval=check_optional_seconds("rules_interval", rules_interval, 0.01, 3600)
+                or 1.0,
+                cache_size=check_int("override_cache_size", override_cache_size, 1, MAX_CACHE),
+            )
+            self._rules.remote = self._follower
+            self._rules_special = True
 
     @property
     def store(self) -> Store:
@@ -153,7 +198,39 @@ class Limiter:
         Adding the same limits again does nothing; a kind that already has other limits is a
         ``ConfigurationError``, and so is ``"*"`` or a kind containing ``:``.
         """
-        self._rules.register(kind, limits)
+        self._added_rules[kind] = self._rules.register(kind, limits)
+
+    async def push_rules(self, rules: RuleSet, *, expect: str = "*") -> bool:
+        """Publishes ``rules`` as the rules document in Redis under this limiter's prefix:
+        every limiter following it (``follow_rules=True``) switches to them. With ``expect``
+        a version ("" for no document), nothing is written (False) if the stored document is
+        no longer that one. This limiter follows at once if it follows at all.
+        """
+        if not isinstance(rules, RuleSet):
+            raise ConfigurationError(f"push_rules takes a RuleSet, got {rules!r}")
+        self._check_usable()
+        pushed = await publish(self._store, self._rules.prefix, rules, expect=expect)
+        if pushed and self._follower is not None:
+            await self._follower.refresh()
+        return pushed
+
+    @property
+    def rules(self) -> RuleSet:
+        """The rules in force now, as a ``RuleSet`` (see ``set_rules``)."""
+        current = self._rules.ruleset
+        return current if current is not None else RuleSet.from_limits(self._rules.by_kind)
+
+    def set_rules(self, rules: RuleSet | LimitsArg | None) -> None:
+        """Replaces the rules for the decisions that start from now on (``None``: the rules the
+        limiter was made with). Decisions in flight finish under the rules they started with.
+        Kinds added with ``add_rule`` (routes' own limits) carry over.
+        """
+        fresh = self._initial_rules if rules is None else Rules(rules, self._rules.prefix)
+        for kind, limits in self._added_rules.items():
+            fresh.register(kind, limits)
+        fresh.remote = self._rules.remote
+        self._rules = fresh
+        self._rules_special = fresh.ruleset is not None or fresh.remote is not None
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -211,10 +288,79 @@ class Limiter:
 
         Under a ``Concurrency`` limit an admitted decision carries a ``lease`` to release.
         """
+        if self._follower is not None:
+            await self._follow(ids)
         plans = self._rules.plans(ids)
         return await self._try(plans, check_weight(weight, plans), 0)
 
+    async def _follow(self, ids: Identifiers) -> None:
+        """Rules from Redis: read before the first decision; overrides looked up on demand."""
+        follower = self._follower
+        assert follower is not None
+        self._check_usable()
+        try:
+            await follower.start()
+            await follower.prefetch((ids,) if isinstance(ids, str) else ids)
+        except BackendError:
+            # The store is failing: the decision itself meets the failure policy; until then
+            # the rules in force (or the limiter's own) and the cached overrides decide.
+            pass
+
     async def _try(self, plans: list[IdentifierPlan], weight: int, max_wait_us: int) -> Decision:
+        if self._rules_special:
+            screened = self._screen(plans)
+            if isinstance(screened, Decision):
+                return screened
+            plans = screened
+        decision = await self._try_store(plans, weight, max_wait_us)
+        if not decision.allowed and self._rules_special and not decision.degraded:
+            decision = await self._unshadow(plans, weight, max_wait_us, decision)
+        return decision
+
+    def _screen(self, plans: list[IdentifierPlan]) -> list[IdentifierPlan] | Decision:
+        """Leaves out the allowed (exempt) identifiers; a denied one refuses at once."""
+        counts = self._counts
+        for plan in plans:
+            if plan.deny:
+                counts["decisions"] += 1
+                counts["refused"] += 1
+                counts["denied"] += 1
+                return Decision(
+                    False, 0, math.inf, math.inf, plan.identifier, None, (), denied=True
+                )
+        active = [plan for plan in plans if not plan.exempt]
+        if not active:
+            counts["decisions"] += 1
+            counts["allowed"] += 1
+            return Decision(True, 0, 0.0, 0.0, None, None, ())
+        return active
+
+    async def _unshadow(
+        self, plans: list[IdentifierPlan], weight: int, max_wait_us: int, decision: Decision
+    ) -> Decision:
+        """A refusal that only shadow rules made: admitted under the enforced rules alone."""
+        shadowed = {plan.identifier for plan in plans if plan.shadow}
+        refusing = tuple(pair for pair in decision.details if not pair.allowed)
+        if not shadowed or not refusing or any(p.identifier not in shadowed for p in refusing):
+            return decision
+        counts = self._counts
+        counts["shadow_refusals"] += 1
+        enforced = [plan for plan in plans if not plan.shadow]
+        # The refusal was counted as one; this request is decided again without the shadows.
+        counts["decisions"] -= 1
+        counts["refused"] -= 1
+        if enforced:
+            again = await self._try_store(enforced, weight, max_wait_us)
+        else:
+            counts["decisions"] += 1
+            counts["allowed"] += 1
+            again = Decision(True, 0, 0.0, 0.0, None, None, ())
+        _log_shadow(self, refusing)
+        return dataclasses.replace(again, shadow_refusals=refusing)
+
+    async def _try_store(
+        self, plans: list[IdentifierPlan], weight: int, max_wait_us: int
+    ) -> Decision:
         counts = self._counts
         refusals = self._refusals
         sent_at = 0.0
@@ -264,6 +410,8 @@ class Limiter:
         if timeout == math.inf:
             timeout = None  # as long as it takes
         timeout = check_optional_seconds("timeout", timeout, 0, MAX_SECONDS)
+        if self._follower is not None:
+            await self._follow(ids)
         plans = self._rules.plans(ids)
         weight = check_weight(weight, plans)
         clock = self.clock
@@ -280,6 +428,8 @@ class Limiter:
                 max_wait_us = max(0, min(MAX_RESERVATION_US, int(left * 1_000_000)))
             started = clock.monotonic()
             decision = await self._try(plans, weight, max_wait_us)
+            if decision.denied:
+                raise RateLimited(decision)  # the rules deny it: waiting cannot help
             # Waits count from the decision: time the clock moved while the call was in
             # flight (other tasks may move a manual clock) is already spent.
             elapsed_us = round((clock.monotonic() - started) * 1_000_000)
@@ -372,8 +522,18 @@ class Limiter:
 
         (Before 0.2, ``remaining`` was what would be left after ``weight``.)
         """
+        if self._follower is not None:
+            await self._follow(ids)
         plans = self._rules.plans(ids)
-        return await self._decide(PEEK, plans, check_weight(weight, plans))
+        weight = check_weight(weight, plans)
+        if self._rules_special:
+            counts = dict(self._counts)
+            screened = self._screen(plans)
+            self._counts.update(counts)  # a peek is not a decision
+            if isinstance(screened, Decision):
+                return screened
+            plans = screened
+        return await self._decide(PEEK, plans, weight)
 
     async def refund(self, ids: Identifiers, weight: int = 1) -> Decision:
         """Gives ``weight`` back on every pair (newest charges first, never below zero)."""
@@ -407,11 +567,15 @@ class Limiter:
 
     def statistics(self) -> LimiterStatistics:
         protocol = self._protocol.statistics
+        follower = self._follower
         return LimiterStatistics(
             **self._counts,
             multi_slot_decisions=protocol.multi_slot,
             compensations=protocol.compensations,
             cached_refusals=0 if self._refusals is None else self._refusals.hits,
+            rules_version=None if follower is None else follower.statistics.version,
+            rules_reloads=0 if follower is None else follower.statistics.reloads,
+            rules_rejected=0 if follower is None else follower.statistics.rejected,
             breaker=self._failure.statistics(),
         )
 
@@ -424,6 +588,8 @@ class Limiter:
         if self._closed:
             return
         self._closed = True
+        if self._follower is not None:
+            await self._follower.aclose()
         await self._protocol.aclose()
         await self._store.aclose()
 
@@ -438,6 +604,27 @@ class Limiter:
 
     def __repr__(self) -> str:
         return f"Limiter({self._store.address!r}, {self._rules.by_kind!r}, clock={self.clock!r})"
+
+
+#: Shadow refusals are logged at most once per this many seconds (with their count).
+SHADOW_LOG_INTERVAL = 10.0
+_shadow_log = {"at": -math.inf, "count": 0}
+
+
+def _log_shadow(limiter: Limiter, refusing: tuple[Any, ...]) -> None:
+    state = _shadow_log
+    state["count"] += 1
+    now = time.monotonic()
+    if now - state["at"] < SHADOW_LOG_INTERVAL:
+        return
+    pair = refusing[0]
+    logger.warning(
+        "aiolimit shadow: %d request(s) admitted that shadow rules refused since the last "
+        "report; e.g. %r under %s",
+        state["count"], pair.identifier, pair.limit,
+        extra={"aiolimit_event": "shadow_refusal", "aiolimit_count": state["count"]},
+    )  # fmt: skip
+    state["at"], state["count"] = now, 0
 
 
 def _refused_by_a_lease(decision: Decision) -> bool:

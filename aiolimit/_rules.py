@@ -8,13 +8,14 @@ A plain sequence of limits is the rule ``{"*": limits}``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 from aiolimit._errors import ConfigurationError, InvalidRequestError, WeightNeverFits
 from aiolimit._keys import aux_key, identifier_kind, main_key
 from aiolimit._limits import BaseLimit, parse_limits
+from aiolimit._ruleset import Override, RuleSet
 from aiolimit._validation import MAX_AMOUNT
 from aiolimit._validation import check_weight as validate_weight
 
@@ -36,6 +37,9 @@ class IdentifierPlan:
     max_weight: int
     has_leases: bool  # a Concurrency limit applies: acquiring takes a lease to release
     queueable: bool  # every limit is GCRA, so acquire may reserve a turn instead of retrying
+    shadow: bool = False  # decided and charged as usual, but never refuses (counted instead)
+    exempt: bool = False  # never limited: left out of every decision
+    deny: bool = False  # always refused
 
 
 def check_limits(kind: str, limits: object) -> tuple[BaseLimit, ...]:
@@ -66,10 +70,19 @@ def check_limits(kind: str, limits: object) -> tuple[BaseLimit, ...]:
 
 
 class Rules:
-    """The limits per identifier kind, and the per-identifier plans built from them."""
+    """The limits per identifier kind, and the per-identifier plans built from them.
 
-    def __init__(self, limits: LimitsArg, prefix: str) -> None:
-        if isinstance(limits, Mapping):
+    Built from limits given in code, or from a ``RuleSet`` (rules as data: overrides, allow
+    and deny lists, shadow rules). ``overrides`` (a ``RemoteOverrides``) adds the overrides
+    kept in Redis, looked up on demand; its local cache answers ``plans``.
+    """
+
+    def __init__(self, limits: LimitsArg | RuleSet, prefix: str) -> None:
+        self.ruleset: RuleSet | None = None
+        if isinstance(limits, RuleSet):
+            self.ruleset = limits
+            rules = dict(limits.kinds)
+        elif isinstance(limits, Mapping):
             if not limits:
                 raise ConfigurationError("limits must name at least one kind (or '*')")
             rules = {}
@@ -86,6 +99,49 @@ class Rules:
         self.by_kind: dict[str, tuple[BaseLimit, ...]] = rules
         self.prefix = prefix
         self.plan = lru_cache(maxsize=65536)(self._plan)
+        self._special = lru_cache(maxsize=65536)(self._plan_special)
+        ruleset = self.ruleset
+        self.shadow_all = ruleset is not None and ruleset.shadow
+        self.shadow_kinds = frozenset() if ruleset is None else ruleset.shadow_kinds
+        #: Overrides kept in Redis (set by the limiter while it follows the rules there).
+        self.remote: RemoteLookup | None = None
+        self._simple = ruleset is None or not (
+            ruleset.exact or ruleset.networks or ruleset.shadow or ruleset.shadow_kinds
+        )
+
+    def override_for(self, identifier: str) -> Override | None:
+        found = None if self.ruleset is None else self.ruleset.override_for(identifier)
+        if found is None and self.remote is not None:
+            found = self.remote.cached(identifier)
+        return found
+
+    def plan_for(self, identifier: str) -> IdentifierPlan:
+        """The identifier's plan under these rules, its override included."""
+        if self._simple and self.remote is None:
+            return self.plan(identifier)
+        return self._special(identifier, self.override_for(identifier))
+
+    def _plan_special(self, identifier: str, override: Override | None) -> IdentifierPlan:
+        if override is not None and override.deny:
+            return replace(self._plan_of(identifier, self._deny_limits(identifier)), deny=True)
+        if override is not None and override.exempt:
+            return replace(self._plan_of(identifier, self._deny_limits(identifier)), exempt=True)
+        limits = self.limits_for(identifier)
+        if override is not None:
+            limits = override.apply(limits)
+        shadow = (
+            self.shadow_all
+            or identifier_kind(identifier) in self.shadow_kinds
+            or (override is not None and override.shadow)
+        )
+        plan = self._plan_of(identifier, limits)
+        return replace(plan, shadow=True) if shadow else plan
+
+    def _deny_limits(self, identifier: str) -> tuple[BaseLimit, ...]:
+        try:
+            return self.limits_for(identifier)
+        except InvalidRequestError:  # allowed / denied without a rule of its kind: no keys
+            return ()
 
     def register(self, kind: str, limits: object) -> tuple[BaseLimit, ...]:
         """Adds the rule for a kind of identifiers declared elsewhere (a route's own limits).
@@ -124,7 +180,9 @@ class Rules:
         return limits
 
     def _plan(self, identifier: str) -> IdentifierPlan:
-        limits = self.limits_for(identifier)
+        return self._plan_of(identifier, self.limits_for(identifier))
+
+    def _plan_of(self, identifier: str, limits: tuple[BaseLimit, ...]) -> IdentifierPlan:
         keys = [main_key(self.prefix, identifier)]
         pairs: list[str | int] = []
         for limit in limits:
@@ -165,10 +223,17 @@ class Rules:
             if not identifier:
                 raise InvalidRequestError("an identifier must not be the empty string")
             seen[identifier] = None
-        return [self.plan(identifier) for identifier in seen]
+        plan = self.plan_for
+        return [plan(identifier) for identifier in seen]
 
     def all_keys(self, identifier: str) -> tuple[str, ...]:
-        return self.plan(identifier).keys
+        return self.plan_for(identifier).keys
+
+
+class RemoteLookup(Protocol):
+    """The overrides kept in Redis, as far as this process has looked them up."""
+
+    def cached(self, identifier: str) -> Override | None: ...
 
 
 def check_weight(weight: object, plans: Sequence[IdentifierPlan]) -> int:

@@ -437,3 +437,39 @@ async def test_a_route_layer_asking_for_refunds_gets_them_under_the_middleware(
     assert absent.status_code == 404
     assert await left(limiter, f"ip:{IP}") == 99  # only the 404 stays charged
     assert await left(limiter, f"upstream:ip:{IP}") == 49
+
+
+async def test_deny_list_is_403_and_shadow_rules_never_429(redis_url: str, prefix: str) -> None:
+    from aiolimit import RuleSet
+
+    rules = RuleSet.from_mapping(
+        {
+            "kinds": {"ip": "2/hour", "user": {"limits": "1/hour", "shadow": True}},
+            "deny": ["user:mallory"],
+        }
+    )
+    async with Limiter(redis_url, rules, prefix=prefix) as limiter:
+        app = FastAPI()
+        app.add_middleware(
+            RateLimitMiddleware,
+            limiter=limiter,
+            keys={"ip": lambda r: IP, "user": header_key("x-user")},
+        )
+
+        @app.get("/x")
+        async def x() -> str:
+            return "x"
+
+        async with serve(app) as client:
+            denied = await client.get("/x", headers={"x-user": "mallory"})
+            shadowed = [await client.get("/x", headers={"x-user": "ann"}) for _ in range(2)]
+            enforced = await client.get("/x", headers={"x-user": "ann"})
+        assert denied.status_code == 403
+        assert denied.headers["content-type"] == "application/problem+json"
+        assert "retry-after" not in denied.headers and "mallory" not in denied.text
+        # The user's shadow limit (1/hour) would refuse the second; the ip limit (2/hour) is
+        # enforced and refuses the third.
+        assert [r.status_code for r in shadowed] == [200, 200]
+        assert enforced.status_code == 429
+        assert limiter.statistics().shadow_refusals == 1  # the third was refused anyway
+        assert await left(limiter, f"ip:{IP}") == 0

@@ -9,10 +9,11 @@ compensate or undo (the protocol does all of that) and it never reads a call's a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from aiolimit._clock import Clock
+from aiolimit._errors import UsageError
 
 #: A raw script reply: a flat list of integers.
 Reply = list[int]
@@ -76,3 +77,18 @@ class Store(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"address": self.address}
+
+    # -- operations: the rules document, inspection ------------------------------------------
+
+    async def command(self, *args: Arg) -> Any:
+        """One plain command, sent where its key lives (the rules document, ``inspect``)."""
+        raise UsageError(
+            f"{self.address} keeps no rules document and cannot be inspected; use a Redis server"
+        )
+
+    def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+        """The messages published on ``channel`` from now on, until the iterator is closed.
+
+        A connection failure ends the iteration with a ``BackendError``; subscribe again.
+        """
+        raise UsageError(f"{self.address} has no publish/subscribe; use a Redis server")

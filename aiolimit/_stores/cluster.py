@@ -26,12 +26,14 @@ own with a budget of its own, which this store honours like any other deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
+from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.crc import key_slot
 
@@ -44,11 +46,12 @@ from aiolimit._connection import (
     is_noscript,
     is_redirect,
     is_retryable,
+    map_errors,
     mapped,
     redact,
 )
 from aiolimit._deadline import current_deadline
-from aiolimit._errors import ConfigurationError
+from aiolimit._errors import BackendUnavailable, ConfigurationError
 from aiolimit._retry import RetryStatistics, call_with_retries, check_deadline_seconds
 from aiolimit._stores.base import Arg, Reply, Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher, loop_time, wait_results
@@ -63,6 +66,13 @@ DEADLINE_MARGIN = 0.05
 #: answers CLUSTER SLOTS in well under a millisecond; a decision may meet several refreshes
 #: while connections are being reset, each of which can draw the frozen node first.
 REFRESH_TIMEOUT = 0.05
+
+
+#: Connection options a subscriber on one node takes from the cluster client's.
+_SUBSCRIBER_OPTIONS = frozenset(
+    {"username", "password", "ssl", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile",
+     "ssl_cert_reqs", "socket_timeout", "socket_connect_timeout", "decode_responses"}
+)  # fmt: skip
 
 
 @lru_cache(maxsize=65536)
@@ -320,6 +330,39 @@ class ClusterStore(Store):
         await self._batcher.aclose()
         if self._owns:
             await close_cluster_client(self.client)
+
+    async def command(self, *args: Arg) -> Any:
+        async def attempt() -> Any:
+            return await self.client.execute_command(*args)
+
+        return await call_with_retries(
+            attempt, deadline=time.monotonic() + self.deadline, address=self.address
+        )
+
+    async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+        """A plain SUBSCRIBE on one node: PUBLISH reaches every node of a cluster."""
+        nodes = self.client.get_primaries() or self.client.get_nodes()
+        if not nodes:
+            raise BackendUnavailable(f"{self.address}: no cluster node known to subscribe on")
+        node = nodes[0]
+        kwargs = dict(node.connection_kwargs)
+        single = Redis(host=node.host, port=int(node.port), **{
+            k: v for k, v in kwargs.items() if k in _SUBSCRIBER_OPTIONS
+        })  # fmt: skip
+        pubsub = single.pubsub()
+        try:
+            with map_errors(self.address, cluster=True):
+                await pubsub.subscribe(channel)
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                    if message is not None and message.get("type") == "message":
+                        data = message["data"]
+                        yield data.encode() if isinstance(data, str) else data
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+            with contextlib.suppress(Exception):
+                await single.aclose()
 
     def describe(self) -> dict[str, Any]:
         return {"address": self.address, "deadline": self.deadline}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -17,7 +18,7 @@ from aiolimit._connection import (
     map_errors,
     mapped,
 )
-from aiolimit._stores.base import Result, ScriptCall, Store
+from aiolimit._stores.base import Arg, Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher
 from aiolimit._stores.resp import command_head, pack_call, pack_calls
 
@@ -201,3 +202,21 @@ class RedisStore(Store):
         await self._batcher.aclose()
         if self._owns:
             await self.client.aclose()
+
+    async def command(self, *args: Arg) -> Any:
+        with map_errors(self.address):
+            return await self.client.execute_command(*args)  # type: ignore[no-untyped-call]
+
+    async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+        pubsub = self.client.pubsub()
+        try:
+            with map_errors(self.address):
+                await pubsub.subscribe(channel)
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                    if message is not None and message.get("type") == "message":
+                        data = message["data"]
+                        yield data.encode() if isinstance(data, str) else data
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]

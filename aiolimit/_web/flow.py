@@ -20,6 +20,7 @@ from aiolimit._limiter import Limiter
 from aiolimit._rules import check_limits
 from aiolimit._validation import MAX_AMOUNT, check_int
 from aiolimit._web.headers import (
+    denied_body,
     never_fits_body,
     problem_body,
     rate_limit_headers,
@@ -311,7 +312,10 @@ async def judge(layers: Sequence[Layer], request: Any, *, legacy: bool) -> Verdi
 
 
 def refusal(decision: Decision, *, legacy: bool) -> Verdict:
-    """The verdict for a refused decision: 429 (or 503 when degraded) and its body."""
+    """The verdict for a refused decision: 429 (503 when degraded, 403 when denied)."""
+    if decision.denied:
+        status, body = denied_body()
+        return Verdict([], decision, [], status, body)
     status, body = problem_body(decision)
     if decision.degraded:
         headers = [("Retry-After", str(retry_after_seconds(decision)))]

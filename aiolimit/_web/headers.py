@@ -143,6 +143,18 @@ def problem_body(decision: Decision) -> tuple[int, bytes]:
     return status, json.dumps(problem, separators=(",", ":")).encode()
 
 
+def denied_body() -> tuple[int, bytes]:
+    """A request the rules' deny list refuses: 403, no Retry-After (waiting cannot help), and
+    no ``RateLimit`` fields; the body does not say which identifier was denied."""
+    problem = {
+        "type": "about:blank",
+        "title": "Forbidden",
+        "status": 403,
+        "detail": "Requests from this client are not accepted.",
+    }
+    return 403, json.dumps(problem, separators=(",", ":")).encode()
+
+
 def never_fits_body(error: WeightNeverFits) -> tuple[int, bytes]:
     """A request heavier than a limit: 429 without Retry-After (waiting cannot help)."""
     problem = {

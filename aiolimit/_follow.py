@@ -1,0 +1,330 @@
+"""Rules kept in Redis: publishing a rules document, and following it from every process.
+
+The document lives under the limiter's prefix, in one hash slot (tag ``{%rules}``, a tag no
+identifier can have: identifiers escape ``%``):
+
+- ``<prefix>:{%rules}:doc``: JSON ``{"format": 1, "version": <sha256>, "rules": <the rules
+  without their exact overrides>, "override_kinds": [...], "override_count": n}``;
+- ``<prefix>:{%rules}:overrides``: a HASH, identifier -> override as JSON. It may hold
+  millions: no process loads it; each looks identifiers up when it meets them (``HMGET``,
+  one round trip for a call's unknown identifiers of the kinds that have overrides) and keeps
+  the answers, found or not, in a bounded LRU cache emptied at every new version;
+- ``<prefix>:rules-changed``: the channel a push publishes the new version on.
+
+A push (``publish``) writes the overrides to a staging hash, then one script swaps the
+overrides in, sets the document and publishes, atomically (``lua/publish_rules.lua``).
+
+A following limiter (``RulesFollower``) reads the document before its first decision, then
+re-reads it on every notification and every ``interval`` seconds (the fallback when a
+notification is lost: a reconnect, a cluster failover). So a push is in force everywhere
+within ``interval`` plus one round trip, and usually within a few milliseconds. A document
+that does not validate is rejected as a whole (logged, counted) and the rules in force stay;
+a deleted document brings back the rules the limiter was made with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aiolimit._calls import lua_dir
+from aiolimit._errors import BackendError, ConfigurationError
+from aiolimit._keys import identifier_kind
+from aiolimit._ruleset import Override, RulesError, RuleSet, override_from_json
+
+if TYPE_CHECKING:
+    from aiolimit._stores.base import Store
+
+logger = logging.getLogger("aiolimit")
+
+FORMAT = 1
+#: Fields per HSET while staging overrides.
+STAGE_CHUNK = 1000
+#: A staging hash left by a pusher that died expires after this many ms.
+STAGE_TTL_MS = 600_000
+_MISSING = object()
+
+
+@dataclass(frozen=True, slots=True)
+class RulesKeys:
+    doc: str
+    overrides: str
+    channel: str
+
+    def staging(self) -> str:
+        return f"{self.overrides}:staging:{secrets.token_hex(8)}"
+
+
+def rules_keys(prefix: str) -> RulesKeys:
+    base = f"{prefix}:{{%rules}}"
+    return RulesKeys(f"{base}:doc", f"{base}:overrides", f"{prefix}:rules-changed")
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """A rules document as stored: the rules (exact overrides apart) and their version."""
+
+    rules: RuleSet
+    version: str
+    override_kinds: frozenset[str]
+    override_count: int
+    raw: Mapping[str, Any]
+
+
+def split(ruleset: RuleSet) -> tuple[str, dict[str, str]]:
+    """(document JSON, exact overrides as identifier -> JSON) for ``ruleset``."""
+    canonical = json.loads(ruleset.document)
+    exact: dict[str, str] = {}
+    kept: dict[str, Any] = {}
+    for identifier, table in canonical["overrides"].items():
+        if identifier in ruleset.exact:
+            exact[identifier] = json.dumps(table, sort_keys=True, separators=(",", ":"))
+        else:
+            kept[identifier] = table  # a network: stays in the document
+    canonical["overrides"] = kept
+    document = {
+        "format": FORMAT,
+        "version": ruleset.version,
+        "rules": canonical,
+        "override_kinds": sorted({identifier_kind(i) for i in exact}),
+        "override_count": len(exact),
+    }
+    return json.dumps(document, sort_keys=True, separators=(",", ":")), exact
+
+
+def parse_document(raw: bytes | str) -> Document:
+    """A stored document, validated; ``RulesError`` when it cannot be used."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RulesError("document", f"not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise RulesError("document.format", f"must be {FORMAT}")
+    version = data.get("version")
+    kinds = data.get("override_kinds", [])
+    count = data.get("override_count", 0)
+    if not isinstance(version, str) or not version:
+        raise RulesError("document.version", "missing")
+    if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+        raise RulesError("document.override_kinds", "must be a list of kinds")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise RulesError("document.override_count", "must be a count")
+    rules = RuleSet.from_mapping(data.get("rules"))
+    return Document(rules, version, frozenset(kinds), count, data)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def read_document(store: Store, prefix: str) -> Document | None:
+    raw = await store.command("GET", rules_keys(prefix).doc)
+    return None if raw is None else parse_document(raw)
+
+
+async def read_overrides(store: Store, prefix: str) -> dict[str, str]:
+    """Every stored override (an operator's command: it reads the whole hash)."""
+    key = rules_keys(prefix).overrides
+    found: dict[str, str] = {}
+    cursor: Any = 0
+    while True:
+        cursor, page = await store.command("HSCAN", key, cursor, "COUNT", 1000)
+        if isinstance(page, dict):
+            items = list(page.items())
+        else:
+            items = list(zip(page[::2], page[1::2], strict=True))
+        for field, value in items:
+            found[_text(field)] = _text(value)
+        if int(cursor) == 0:
+            return found
+
+
+async def publish(store: Store, prefix: str, ruleset: RuleSet, *, expect: str = "*") -> bool:
+    """Publishes ``ruleset`` to every following process; False (nothing written) when
+    ``expect`` is a version ("" for none) and the stored document is no longer that one."""
+    keys = rules_keys(prefix)
+    document, exact = split(ruleset)
+    staging = keys.staging()
+    if exact:
+        items = list(exact.items())
+        for start in range(0, len(items), STAGE_CHUNK):
+            flat = [part for pair in items[start : start + STAGE_CHUNK] for part in pair]
+            await store.command("HSET", staging, *flat)
+        await store.command("PEXPIRE", staging, STAGE_TTL_MS)
+    script = (lua_dir() / "publish_rules.lua").read_text(encoding="utf-8")
+    done = await store.command(
+        "EVAL", script, 3, keys.doc, keys.overrides, staging,
+        document, "1" if exact else "0", keys.channel, ruleset.version, expect,
+    )  # fmt: skip
+    return bool(int(done))
+
+
+async def withdraw(store: Store, prefix: str) -> None:
+    """Deletes the document and its overrides: followers go back to their own rules."""
+    keys = rules_keys(prefix)
+    await store.command("DEL", keys.doc, keys.overrides)
+    await store.command("PUBLISH", keys.channel, "")
+
+
+@dataclass(slots=True)
+class FollowerStatistics:
+    version: str | None = None
+    reloads: int = 0
+    rejected: int = 0
+    notifications: int = 0
+    override_lookups: int = 0
+
+
+class RulesFollower:
+    """Keeps a limiter's rules equal to the document in Redis (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        prefix: str,
+        apply: Any,
+        *,
+        interval: float,
+        cache_size: int,
+    ) -> None:
+        self.store = store
+        self.keys = rules_keys(prefix)
+        self._apply = apply  # apply(RuleSet | None): the limiter's set_rules
+        self.interval = interval
+        self.cache_size = cache_size
+        self.statistics = FollowerStatistics()
+        self._override_kinds: frozenset[str] = frozenset()
+        self._cache: collections.OrderedDict[str, Override | None] = collections.OrderedDict()
+        self._epoch = 0
+        self._lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+
+    # -- the rules ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Reads the document once (so the first decision uses it) and starts following."""
+        if self._started:
+            return
+        async with self._lock:
+            if self._started:
+                return
+            await self._refresh_locked()
+            self._tasks = [
+                asyncio.create_task(self._listen(), name="aiolimit-rules-listen"),
+                asyncio.create_task(self._poll(), name="aiolimit-rules-poll"),
+            ]
+            self._started = True
+
+    async def refresh(self) -> None:
+        async with self._lock:
+            await self._refresh_locked()
+
+    async def _refresh_locked(self) -> None:
+        stats = self.statistics
+        raw = await self.store.command("GET", self.keys.doc)
+        if raw is None:
+            if stats.version is not None:
+                self._install(None, None, frozenset())
+                logger.warning("aiolimit rules: the document in Redis is gone; back to the "
+                               "limiter's own rules")  # fmt: skip
+            return
+        try:
+            document = parse_document(raw)
+        except (RulesError, ConfigurationError) as exc:
+            stats.rejected += 1
+            logger.error(
+                "aiolimit rules: rejected an invalid rules document (the rules in force stay): "
+                "%s", exc, extra={"aiolimit_event": "rules_rejected"},
+            )  # fmt: skip
+            return
+        if document.version == stats.version:
+            return
+        self._install(document.rules, document.version, document.override_kinds)
+        logger.info(
+            "aiolimit rules: version %s in force (%d kinds, %d overrides in Redis)",
+            document.version[:12], len(document.rules.kinds), document.override_count,
+            extra={"aiolimit_event": "rules_reloaded"},
+        )  # fmt: skip
+
+    def _install(
+        self, rules: RuleSet | None, version: str | None, override_kinds: frozenset[str]
+    ) -> None:
+        self._epoch += 1
+        self._cache.clear()
+        self._override_kinds = override_kinds
+        self._apply(rules)
+        self.statistics.version = version
+        self.statistics.reloads += 1
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                async for _ in self.store.subscribe(self.keys.channel):
+                    self.statistics.notifications += 1
+                    await self.refresh()
+            except BackendError as exc:
+                logger.debug("aiolimit rules: subscription lost (%s); polling meanwhile", exc)
+            except Exception:  # never let following die; polling goes on
+                logger.exception("aiolimit rules: the subscription failed")
+            await asyncio.sleep(self.interval)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.refresh()
+            except BackendError as exc:
+                logger.debug("aiolimit rules: poll failed: %s", exc)
+            except Exception:
+                logger.exception("aiolimit rules: the poll failed")
+
+    # -- overrides on demand -------------------------------------------------------------
+
+    def cached(self, identifier: str) -> Override | None:
+        found = self._cache.get(identifier)
+        return found if isinstance(found, Override) else None
+
+    async def prefetch(self, ids: Iterable[str]) -> None:
+        """Looks up the call's identifiers of kinds with overrides that are not cached."""
+        kinds = self._override_kinds
+        if not kinds:
+            return
+        cache = self._cache
+        wanted = [i for i in dict.fromkeys(ids) if i not in cache and identifier_kind(i) in kinds]
+        if not wanted:
+            for identifier in ids:
+                if identifier in cache:
+                    cache.move_to_end(identifier)
+            return
+        epoch = self._epoch
+        values = await self.store.command("HMGET", self.keys.overrides, *wanted)
+        self.statistics.override_lookups += 1
+        if epoch != self._epoch:
+            return  # a new version came meanwhile; these answers may be stale
+        for identifier, value in zip(wanted, values, strict=True):
+            override = None
+            if value is not None:
+                try:
+                    override = override_from_json(value)
+                except (RulesError, ValueError) as exc:
+                    logger.error("aiolimit rules: ignoring an invalid override for %r: %s",
+                                 identifier, exc)  # fmt: skip
+            cache[identifier] = override
+        while len(cache) > self.cache_size:
+            cache.popitem(last=False)
+
+    async def aclose(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

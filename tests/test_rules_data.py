@@ -1,0 +1,203 @@
+"""Rules as data: the format, its errors, and what overrides, lists and shadow rules decide.
+
+The format tests are pure; the decisions run against a real Redis server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+
+from aiolimit import (
+    Limit,
+    Limiter,
+    RateLimited,
+    RulesError,
+    RuleSet,
+    SlidingLog,
+    TokenBucket,
+)
+
+TOML = """
+shadow = false
+allow = ["ip:127.0.0.1"]
+deny = ["ip:203.0.113.0/24"]
+
+[kinds]
+ip = ["10/second", "120/minute"]
+"*" = "50/minute"
+
+[kinds.user]
+limits = ["100/minute", { type = "token_bucket", rate = 5, per = 1, burst = 20 }]
+shadow = true
+
+[overrides]
+"user:42" = { scale = 10 }
+"user:7" = { limits = "1/minute" }
+"ip:10.0.0.0/8" = { exempt = true }
+"""
+
+JSON = """{
+  "kinds": {
+    "ip": ["10/second", "120/minute"],
+    "*": "50/minute",
+    "user": {"limits": ["100/minute", {"type": "token_bucket", "rate": 5, "per": 1,
+                                        "burst": 20}], "shadow": true}
+  },
+  "overrides": {"user:42": {"scale": 10}, "user:7": {"limits": "1/minute"},
+                "ip:10.0.0.0/8": {"exempt": true}},
+  "allow": ["ip:127.0.0.1"],
+  "deny": ["ip:203.0.113.0/24"]
+}"""
+
+
+def test_toml_and_json_read_to_the_same_rules() -> None:
+    toml, json_rules = RuleSet.from_text(TOML), RuleSet.from_text(JSON, "json")
+    assert toml.version == json_rules.version
+    assert toml.kinds["user"] == (Limit(100, per=60), TokenBucket(5, per=1, burst=20))
+    assert toml.shadow_kinds == {"user"}
+    scaled = toml.override_for("user:42")
+    assert scaled is not None and scaled.apply(toml.kinds["user"])[0] == Limit(1000, per=60)
+    assert toml.override_for("ip:10.200.0.1") == toml.override_for("ip:10.0.0.0/8")
+    assert toml.override_for("ip:10.200.0.1").exempt  # type: ignore[union-attr]
+    assert toml.override_for("ip:11.0.0.1") is None
+    assert toml.override_for("ip:203.0.113.9").deny  # type: ignore[union-attr]
+    # A document read back from its canonical form is the same rules.
+    assert RuleSet.from_text(toml.document, "json").version == toml.version
+
+
+@pytest.mark.parametrize(
+    ("text", "fmt", "where", "says"),
+    [
+        ('[kinds]\nuser = "10/sec0nd"', "toml", "kinds.user", "cannot parse limit"),
+        (
+            '[kinds.user]\nlimits = ["1/s", { type = "token_bucket", rate = "x" }]',
+            "toml",
+            "kinds.user.limits[1].rate",
+            "must be a number",
+        ),
+        (
+            '[kinds]\nip = "1/s"\n[overrides]\n"user:1" = { scale = -2 }',
+            "toml",
+            'overrides."user:1".scale',
+            "must be a number in",
+        ),
+        (
+            '[kinds]\nip = "1/s"\n[overrides]\n"user:1" = { sclae = 2 }',
+            "toml",
+            'overrides."user:1".sclae',
+            "unknown key",
+        ),
+        ('[kinds]\nip = "1/s"\nlimts = 3', "toml", "kinds.limts", "a limit is a string"),
+        ("[kinds]\n", "toml", "kinds", "at least one kind"),
+        ('[kinds]\n"a:b" = "1/s"', "toml", 'kinds."a:b"', "without ':'"),
+        ('kinds = {ip = "1/s"}\nshadow = "yes"', "toml", "shadow", "true or false"),
+        ('kinds = {ip = "1/s"}\ndeny = "ip:1.2.3.4"', "toml", "deny", "a list"),
+        ('kinds = {ip = "1/s"}\nextra = 1', "toml", "extra", "unknown key"),
+        ('{"kinds": {"ip": "1/s"},\n "deny": [1]}', "json", "deny[0]", "non-empty text"),
+        ('{"kinds": {"ip": "1/s"},\n "deny": [}', "json", "line 2", "not valid JSON"),
+        ("[kinds\nip = 1", "toml", "", "line 1"),
+    ],
+)
+def test_errors_name_the_key_at_fault(text: str, fmt: str, where: str, says: str) -> None:
+    with pytest.raises(RulesError) as caught:
+        RuleSet.from_text(text, fmt)
+    assert caught.value.where.startswith(where) if where else True
+    assert says in str(caught.value)
+
+
+@pytest.fixture
+async def limiter(redis_url: str, prefix: str) -> AsyncIterator[Limiter]:
+    rules = RuleSet.from_mapping(
+        {
+            "kinds": {"ip": [SlidingLog(2, per=60)], "user": "3/hour", "beta": "1/hour"},
+            "overrides": {
+                "user:42": {"scale": 10},
+                "user:7": {"limits": "1/hour"},
+                "ip:10.0.0.0/8": {"exempt": True},
+                "user:trial": {"shadow": True},
+            },
+            "allow": ["ip:127.0.0.1"],
+            "deny": ["ip:203.0.113.0/24", "user:banned"],
+        }
+    )
+    made = Limiter(redis_url, rules, prefix=prefix)
+    yield made
+    await made.aclose()
+
+
+async def admitted(limiter: Limiter, ids: list[str] | str, n: int) -> list[bool]:
+    return [(await limiter.try_acquire(ids)).allowed for _ in range(n)]
+
+
+async def test_overrides_scale_replace_and_exempt(limiter: Limiter) -> None:
+    assert await admitted(limiter, "user:1", 4) == [True] * 3 + [False]
+    assert await admitted(limiter, "user:42", 31) == [True] * 30 + [False]
+    assert await admitted(limiter, "user:7", 2) == [True, False]
+    assert await admitted(limiter, "ip:10.9.8.7", 50) == [True] * 50
+    assert await admitted(limiter, "ip:127.0.0.1", 50) == [True] * 50
+    # An exempt identifier is left out; the others in the call are decided as usual.
+    assert await admitted(limiter, ["ip:10.9.8.7", "user:2"], 4) == [True] * 3 + [False]
+    assert (await limiter.peek("ip:10.9.8.7")).details == ()
+
+
+async def test_deny_refuses_at_once_and_charges_nothing(limiter: Limiter) -> None:
+    decision = await limiter.try_acquire(["user:5", "ip:203.0.113.77"])
+    assert not decision.allowed and decision.denied
+    assert decision.identifier == "ip:203.0.113.77"
+    with pytest.raises(RateLimited) as caught:
+        await limiter.acquire(["user:banned"], timeout=None)  # never waits
+    assert caught.value.decision.denied
+    assert (await limiter.peek("user:5")).remaining == 3
+    assert limiter.statistics().denied == 2
+
+
+async def test_shadow_rules_never_refuse_and_are_counted(
+    limiter: Limiter, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="aiolimit")
+    # user:trial is in shadow; ip:1.2.3.4 (2 per minute) is enforced.
+    outcomes = []
+    for _ in range(3):
+        decision = await limiter.try_acquire(["user:trial", "ip:1.2.3.4"])
+        outcomes.append((decision.allowed, bool(decision.shadow_refusals)))
+    assert outcomes == [(True, False), (True, False), (False, False)]
+    outcomes = [
+        ((d := await limiter.try_acquire("user:trial")).allowed, bool(d.shadow_refusals))
+        for _ in range(3)
+    ]
+    # 3 per hour, 2 used above: one more fits, then the shadow rule would refuse.
+    assert outcomes == [(True, False), (True, True), (True, True)]
+    decision = await limiter.try_acquire(["user:trial", "ip:5.6.7.8"])
+    assert decision.allowed and decision.shadow_refusals[0].identifier == "user:trial"
+    # The enforced identifier was charged exactly once for the admitted request.
+    assert (await limiter.peek("ip:5.6.7.8")).remaining == 1
+    assert (await limiter.peek("user:trial")).remaining == 0
+    stats = limiter.statistics()
+    assert stats.shadow_refusals == 3 and stats.refused == 1
+    assert any("aiolimit shadow" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_shadow_limiter_admits_everything(redis_url: str, prefix: str) -> None:
+    rules = RuleSet.from_mapping({"kinds": {"*": "1/hour"}, "shadow": True})
+    async with Limiter(redis_url, rules, prefix=prefix) as limiter:
+        decisions = [await limiter.try_acquire("k:1") for _ in range(3)]
+        assert [d.allowed for d in decisions] == [True] * 3
+        assert [bool(d.shadow_refusals) for d in decisions] == [False, True, True]
+        assert (await limiter.peek("k:1")).remaining == 0  # charged as enforcement would
+
+
+async def test_set_rules_applies_to_new_decisions_and_keeps_route_kinds(
+    redis_url: str, prefix: str
+) -> None:
+    async with Limiter(redis_url, {"user": "1/hour"}, prefix=prefix) as limiter:
+        limiter.add_rule("GET /x", "5/hour")
+        assert await admitted(limiter, "user:1", 2) == [True, False]
+        limiter.set_rules(RuleSet.from_mapping({"kinds": {"user": "3/hour"}}))
+        assert await admitted(limiter, "user:1", 3) == [True, True, False]
+        assert limiter.limits["GET /x"] == (Limit(5, per=3600),)
+        limiter.set_rules(None)  # back to the rules it was made with
+        assert limiter.limits["user"] == (Limit(1, per=3600),)
+        assert limiter.rules.kinds["user"] == (Limit(1, per=3600),)
