@@ -26,7 +26,7 @@ from aiolimit._errors import (
 )
 from aiolimit._failure import BreakerStatistics, CircuitBreaker, FailurePolicy, OnError
 from aiolimit._follow import RulesFollower, publish
-from aiolimit._keys import check_prefix
+from aiolimit._keys import check_prefix, identifier_kind
 from aiolimit._limits import BaseLimit
 from aiolimit._protocol import Protocol
 from aiolimit._refusals import DEFAULT_SIZE, RefusalCache
@@ -35,6 +35,7 @@ from aiolimit._ruleset import RuleSet
 from aiolimit._stores import default_deadline, open_store
 from aiolimit._stores.base import Store
 from aiolimit._validation import MAX_SECONDS, check_bool, check_int, check_optional_seconds
+from aiolimit.metrics import Metrics
 
 # acquire reserves a GCRA turn at most this far ahead (also keeps the scaled values exact).
 MAX_RESERVATION_US = 3_600_000_000
@@ -114,6 +115,7 @@ class Limiter:
         follow_rules: bool = False,
         rules_interval: float = 1.0,
         override_cache_size: int = 100_000,
+        metrics: Metrics | None = None,
     ) -> None:
         # Failure policy (aiolimit._failure): each decision gets `deadline` seconds ("auto":
         # 1 s, or 5 s on a cluster so a failover is ridden through); a store
@@ -164,6 +166,15 @@ class Limiter:
         }
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        # metrics (aiolimit.metrics): every decision of try_acquire/acquire is recorded.
+        if metrics is not None and not isinstance(metrics, Metrics):
+            raise ConfigurationError(
+                f"metrics must be an aiolimit.metrics.Metrics (OpenTelemetryMetrics, "
+                f"PrometheusMetrics), got {metrics!r}"
+            )
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.bind(self)
         # follow_rules (aiolimit._follow): the rules document in Redis under this prefix
         # replaces `limits` while it exists, in every process, within rules_interval seconds.
         self._follower: RulesFollower | None = None
@@ -307,6 +318,23 @@ class Limiter:
             pass
 
     async def _try(self, plans: list[IdentifierPlan], weight: int, max_wait_us: int) -> Decision:
+        metrics = self._metrics
+        if metrics is None:
+            return await self._try_rules(plans, weight, max_wait_us)
+        started = time.perf_counter()
+        decision = await self._try_rules(plans, weight, max_wait_us)
+        binding = decision.identifier
+        if binding is None and decision.shadow_refusals:
+            binding = decision.shadow_refusals[0].identifier
+        kind = identifier_kind(binding or "")
+        if kind not in self._rules.by_kind:
+            kind = "*"
+        metrics.record(decision, time.perf_counter() - started, kind)
+        return decision
+
+    async def _try_rules(
+        self, plans: list[IdentifierPlan], weight: int, max_wait_us: int
+    ) -> Decision:
         if self._rules_special:
             screened = self._screen(plans)
             if isinstance(screened, Decision):
@@ -590,6 +618,8 @@ class Limiter:
         self._closed = True
         if self._follower is not None:
             await self._follower.aclose()
+        if self._metrics is not None:
+            self._metrics.unbind(self)
         await self._protocol.aclose()
         await self._store.aclose()
 

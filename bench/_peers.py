@@ -39,7 +39,7 @@ from bench._measure import Decide
 ALGORITHMS = ("sliding", "fixed", "log", "gcra")
 CONTENDERS = ("aiolimit", "limits", "pyrate", "throttled")
 #: Available by name, not run by default: pyrate without its limiter-wide asyncio.Lock.
-EXTRA_CONTENDERS = ("pyrate-direct", "aiolimit-cache", "ceiling")
+EXTRA_CONTENDERS = ("pyrate-direct", "aiolimit-cache", "aiolimit-otel", "aiolimit-prom", "ceiling")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +192,40 @@ class AiolimitCacheContender(AiolimitContender):
 
     name = "aiolimit-cache"
     options = {"cache_refusals": True}  # noqa: RUF012
+
+
+class AiolimitOtelContender(AiolimitContender):
+    """aiolimit recording every decision on an OpenTelemetry SDK meter (the cost of metrics)."""
+
+    name = "aiolimit-otel"
+
+    async def open(self, identifiers: Sequence[str]) -> Decide:
+        try:
+            from opentelemetry.sdk.metrics import MeterProvider
+            from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+            from aiolimit.metrics import OpenTelemetryMetrics
+        except ImportError as exc:
+            raise Unsupported(f"OpenTelemetry SDK missing: {exc}") from exc
+        provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+        self.options = {"metrics": OpenTelemetryMetrics(provider)}
+        return await super().open(identifiers)
+
+
+class AiolimitPromContender(AiolimitContender):
+    """aiolimit recording every decision with prometheus_client (the cost of metrics)."""
+
+    name = "aiolimit-prom"
+
+    async def open(self, identifiers: Sequence[str]) -> Decide:
+        try:
+            import prometheus_client
+
+            from aiolimit.metrics import PrometheusMetrics
+        except ImportError as exc:
+            raise Unsupported(f"prometheus_client missing: {exc}") from exc
+        self.options = {"metrics": PrometheusMetrics(prometheus_client.CollectorRegistry())}
+        return await super().open(identifiers)
 
 
 class CeilingContender(Contender):
@@ -507,6 +541,8 @@ _CLASSES: dict[str, type[Contender]] = {
     "pyrate-direct": PyrateDirectContender,
     "throttled": ThrottledContender,
     "aiolimit-cache": AiolimitCacheContender,
+    "aiolimit-otel": AiolimitOtelContender,
+    "aiolimit-prom": AiolimitPromContender,
     "ceiling": CeilingContender,
 }
 
@@ -518,7 +554,7 @@ def make_contender(
     """The adapter called ``name``; raises Unsupported when it cannot run ``algorithm``."""
     if name not in _CLASSES:
         raise ValueError(f"unknown contender {name!r}; known: {', '.join(_CLASSES)}")
-    if name in ("aiolimit", "aiolimit-cache"):
+    if name in ("aiolimit", "aiolimit-cache", "aiolimit-otel", "aiolimit-prom"):
         return _CLASSES[name](  # type: ignore[call-arg]
             url, algorithm, limits, prefix, sliding_buckets=sliding_buckets, clock=clock
         )
