@@ -100,7 +100,7 @@ class Limiter:
     def __init__(
         self,
         store: str | Any,
-        limits: LimitsArg,
+        limits: LimitsArg | RuleSet,
         *,
         prefix: str = "aiolimit",
         clock: Clock | None = None,
@@ -578,6 +578,10 @@ class Limiter:
         finally:
             if refusals is not None:
                 refusals.forget(plan.identifier for plan in plans)
+
+    def storage_keys(self, identifier: str) -> tuple[str, ...]:
+        """The Redis keys that hold ``identifier``'s state under the rules in force."""
+        return self._rules.plans(identifier)[0].keys
 
     async def reset(self, ids: Identifiers) -> None:
         """Forgets everything stored for these identifiers."""
