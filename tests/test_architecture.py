@@ -1,6 +1,6 @@
 """The package's import rules, read from the source: layers import one way only.
 
-adapters (``starlette``, ``aiohttp``, ``_web``) -> limiter -> protocol (and leases) -> stores;
+adapters (``starlette``, ``aiohttp``, ``_web``, the ``cli``) -> limiter -> protocol (and leases) -> stores;
 the embedded engine stands alone; clocks never reach into stores; only the stores, the
 connection module and the TIME authority talk to redis-py; no store reads a call's ARGV.
 """
@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "aiolimit"
 
-ADAPTERS = ("aiolimit.starlette", "aiolimit.aiohttp", "aiolimit._web")
+ADAPTERS = ("aiolimit.starlette", "aiolimit.aiohttp", "aiolimit._web", "aiolimit.cli")
 STORES = ("aiolimit._stores",)
 CLOCKS = ("aiolimit._clock", "aiolimit._authority", "aiolimit.testing")
 REDIS_ALLOWED = ("aiolimit._stores", "aiolimit._connection", "aiolimit._authority")
