@@ -108,3 +108,14 @@ async def test_aiohttp_example_limits_with_route_weights_and_one_field_set(
     out = capsys.readouterr().out
     assert out.count("RateLimit-Policy:") == 7  # once per limited response, never on /health
     assert out.count("Retry-After: ") == 1
+
+
+def test_the_example_rules_file_is_valid() -> None:
+    """examples/rules.toml (the README's rules format) reads without an error."""
+    from aiolimit import RuleSet
+
+    rules = RuleSet.from_file(Path(__file__).resolve().parent.parent / "examples" / "rules.toml")
+    assert set(rules.kinds) == {"ip", "*", "user", "api"}
+    assert rules.shadow_kinds == {"api"}
+    assert rules.override_for("ip:10.1.2.3") is not None
+    assert rules.override_for("ip:203.0.113.9").deny  # type: ignore[union-attr]
