@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import logging
 import secrets
@@ -180,6 +179,7 @@ class FollowerStatistics:
     rejected: int = 0
     notifications: int = 0
     override_lookups: int = 0
+    version_refused: str | None = None
 
 
 class RulesFollower:
@@ -209,19 +209,25 @@ class RulesFollower:
 
     # -- the rules ----------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Reads the document once (so the first decision uses it) and starts following."""
+    async def start(self, budget: float) -> None:
+        """Starts following, and waits at most ``budget`` seconds for a first read (so the
+        first decision uses the document). A store that does not answer in time is left to
+        the background tasks: decisions never wait for it longer than that, once."""
         if self._started:
             return
-        async with self._lock:
-            if self._started:
-                return
-            await self._refresh_locked()
-            self._tasks = [
-                asyncio.create_task(self._listen(), name="aiolimit-rules-listen"),
-                asyncio.create_task(self._poll(), name="aiolimit-rules-poll"),
-            ]
-            self._started = True
+        self._started = True
+        self._tasks = [
+            asyncio.create_task(self._listen(), name="aiolimit-rules-listen"),
+            asyncio.create_task(self._poll(), name="aiolimit-rules-poll"),
+        ]
+        try:
+            async with asyncio.timeout(budget):
+                await self.refresh()
+        except (BackendError, TimeoutError) as exc:
+            logger.warning(
+                "aiolimit rules: no first read of the rules document (%s); the limiter's own "
+                "rules decide until it comes", str(exc) or "no answer in time",
+            )  # fmt: skip
 
     async def refresh(self) -> None:
         async with self._lock:
@@ -245,9 +251,17 @@ class RulesFollower:
                 "%s", exc, extra={"aiolimit_event": "rules_rejected"},
             )  # fmt: skip
             return
-        if document.version == stats.version:
+        if document.version in (stats.version, stats.version_refused):
             return
-        self._install(document.rules, document.version, document.override_kinds)
+        try:
+            self._install(document.rules, document.version, document.override_kinds)
+        except ConfigurationError as exc:  # e.g. a kind a route declared with other limits
+            stats.rejected += 1
+            stats.version_refused = document.version
+            logger.error("aiolimit rules: cannot apply version %s (the rules in force stay): "
+                         "%s", document.version[:12], exc,
+                         extra={"aiolimit_event": "rules_rejected"})  # fmt: skip
+            return
         logger.info(
             "aiolimit rules: version %s in force (%d kinds, %d overrides in Redis)",
             document.version[:12], len(document.rules.kinds), document.override_count,
@@ -257,10 +271,10 @@ class RulesFollower:
     def _install(
         self, rules: RuleSet | None, version: str | None, override_kinds: frozenset[str]
     ) -> None:
+        self._apply(rules)  # first: rules it cannot apply change nothing here
         self._epoch += 1
         self._cache.clear()
         self._override_kinds = override_kinds
-        self._apply(rules)
         self.statistics.version = version
         self.statistics.reloads += 1
 
@@ -280,7 +294,10 @@ class RulesFollower:
         while True:
             await asyncio.sleep(self.interval)
             try:
-                await self.refresh()
+                async with asyncio.timeout(max(self.interval, 1.0)):
+                    await self.refresh()
+            except TimeoutError:
+                logger.debug("aiolimit rules: poll timed out")
             except BackendError as exc:
                 logger.debug("aiolimit rules: poll failed: %s", exc)
             except Exception:
@@ -325,6 +342,6 @@ class RulesFollower:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            # Their cleanup is bounded (a frozen server must not hold up the close).
+            await asyncio.wait(tasks, timeout=2.0)

@@ -45,6 +45,8 @@ LEASE_POLL_MIN = 0.01
 LEASE_POLL_MAX = 0.25
 #: A cached refusal yields to the event loop once in this many decisions.
 CACHED_YIELD_EVERY = 16
+#: How long a decision may wait for the rules in Redis when the limiter has no deadline.
+FOLLOW_TIMEOUT = 1.0
 #: The refusal cache holds at most this many identifiers (refusal_cache_size).
 MAX_CACHE = 10_000_000
 
@@ -309,12 +311,16 @@ class Limiter:
         follower = self._follower
         assert follower is not None
         self._check_usable()
+        # Never longer than a decision may take, and not at all while the breaker is open:
+        # the decision itself meets the failure policy; meanwhile the rules in force (or
+        # the limiter's own) and the cached overrides decide.
+        budget = self._failure.deadline_seconds or FOLLOW_TIMEOUT
         try:
-            await follower.start()
-            await follower.prefetch((ids,) if isinstance(ids, str) else ids)
-        except BackendError:
-            # The store is failing: the decision itself meets the failure policy; until then
-            # the rules in force (or the limiter's own) and the cached overrides decide.
+            await follower.start(budget)
+            if self._failure.breaker.state != "open":
+                async with asyncio.timeout(budget):
+                    await follower.prefetch((ids,) if isinstance(ids, str) else ids)
+        except (BackendError, TimeoutError):
             pass
 
     async def _try(self, plans: list[IdentifierPlan], weight: int, max_wait_us: int) -> Decision:

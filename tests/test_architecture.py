@@ -1,8 +1,9 @@
 """The package's import rules, read from the source: layers import one way only.
 
-adapters (``starlette``, ``aiohttp``, ``_web``, the ``cli``) -> limiter -> protocol (and leases) -> stores;
-the embedded engine stands alone; clocks never reach into stores; only the stores, the
-connection module and the TIME authority talk to redis-py; no store reads a call's ARGV.
+adapters (``starlette``, ``aiohttp``, ``_web``, the ``cli``) -> limiter -> protocol (and
+leases) -> stores; the embedded engine stands alone; clocks never reach into stores; only the
+stores, the connection module and the TIME authority talk to redis-py; no store reads a
+call's ARGV.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ import redis.asyncio as redis_asyncio
 
 from aiolimit import Limit, Limiter, RuleSet
 from aiolimit._follow import rules_keys, split
+from cluster import Standalone
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERVAL = 0.5
@@ -223,3 +225,36 @@ async def test_a_cluster_follower_hears_the_push(redis_cluster_url: str, prefix:
             while follower.statistics().rules_version != DENY_PROBE.version:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
         assert (await follower.try_acquire("user:probe")).denied
+
+
+async def test_following_never_slows_decisions_while_the_server_is_frozen(
+    fresh_standalone: Standalone, prefix: str
+) -> None:
+    """A frozen server: the failure policy answers within its deadline, rules or not."""
+    deadline = 0.2
+    options = {
+        "prefix": prefix, "follow_rules": True, "deadline": deadline, "on_error": "open",
+        "rules_interval": 0.1,
+    }  # fmt: skip
+    async with Limiter(fresh_standalone.url, {"user": "5/hour"}, **options) as limiter:  # type: ignore[arg-type]
+        assert await limiter.push_rules(ALLOW_PROBE)
+        assert (await limiter.try_acquire("user:a")).allowed
+        fresh_standalone.pause()
+        # (Opened while frozen, closed after the resume: aclose waits for pending undos.)
+        fresh = Limiter(fresh_standalone.url, {"user": "5/hour"}, **options)  # type: ignore[arg-type]
+        try:
+            for subject in (limiter, fresh, limiter, fresh):
+                started = time.monotonic()
+                decision = await subject.try_acquire(f"user:{secrets.token_hex(4)}")
+                took = time.monotonic() - started
+                assert decision.degraded and decision.allowed
+                # The fresh limiter's first decision may also wait once for its first read.
+                assert took < deadline * 2 + 0.1, took
+        finally:
+            fresh_standalone.resume()
+            await fresh.aclose()
+        # Back: the follower catches up and decides under the pushed rules again.
+        async with asyncio.timeout(5):
+            while (await limiter.try_acquire("user:b")).degraded:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert limiter.statistics().rules_version == ALLOW_PROBE.version

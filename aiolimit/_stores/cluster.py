@@ -343,6 +343,10 @@ class ClusterStore(Store):
         """A plain SUBSCRIBE on one node: PUBLISH reaches every node of a cluster."""
         nodes = self.client.get_primaries() or self.client.get_nodes()
         if not nodes:
+            with map_errors(self.address, cluster=True):
+                await self.client.initialize()  # nothing asked yet: learn the nodes first
+            nodes = self.client.get_primaries() or self.client.get_nodes()
+        if not nodes:
             raise BackendUnavailable(f"{self.address}: no cluster node known to subscribe on")
         node = nodes[0]
         kwargs = dict(node.connection_kwargs)
@@ -359,10 +363,14 @@ class ClusterStore(Store):
                         data = message["data"]
                         yield data.encode() if isinstance(data, str) else data
         finally:
+            # Bounded: closing must not wait on a frozen server (a cancelled follower's
+            # cleanup runs here).
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                async with asyncio.timeout(1.0):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
             with contextlib.suppress(Exception):
-                await single.aclose()
+                async with asyncio.timeout(1.0):
+                    await single.aclose()
 
     def describe(self) -> dict[str, Any]:
         return {"address": self.address, "deadline": self.deadline}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -218,5 +219,8 @@ class RedisStore(Store):
                         data = message["data"]
                         yield data.encode() if isinstance(data, str) else data
         finally:
+            # Bounded: closing must not wait on a frozen server (a cancelled follower's
+            # cleanup runs here).
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                async with asyncio.timeout(1.0):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
