@@ -298,15 +298,42 @@ def rules_check(
         print_rules(rules)
 
 
-def _full_text(document: Document | None, overrides: dict[str, str]) -> list[str]:
-    if document is None:
+def rules_lines(rules: RuleSet | None) -> list[str]:
+    """The rules as sorted lines, one fact each: what the push diff compares."""
+    if rules is None:
         return []
+    lines = [f"shadow (whole limiter): {'yes' if rules.shadow else 'no'}"]
+    for kind, limits in rules.kinds.items():
+        shadow = " (shadow)" if kind in rules.shadow_kinds else ""
+        lines.append(f"kind {kind}{shadow}: {', '.join(map(str, limits))}")
+    entries = [*rules.exact.items(), *((f"{k}:{n}", o) for k, n, o in rules.networks)]
+    for identifier, override in entries:
+        if override.deny:
+            lines.append(f"deny {identifier}")
+        elif override.exempt and override.limits is None and override.scale is None:
+            lines.append(f"allow {identifier}")
+        else:
+            parts = []
+            if override.limits is not None:
+                parts.append("limits " + ", ".join(map(str, override.limits)))
+            if override.scale is not None:
+                parts.append(f"scale {override.scale:g}")
+            if override.shadow:
+                parts.append("shadow")
+            lines.append(f"override {identifier}: {'; '.join(parts)}")
+    return sorted(lines)
+
+
+def stored_rules(document: Document | None, overrides: dict[str, str]) -> RuleSet | None:
+    """The rules in Redis as one RuleSet: the document and its identifier overrides."""
+    if document is None:
+        return None
     canonical = json.loads(json.dumps(document.raw["rules"]))
     canonical["overrides"] = {
         **canonical.get("overrides", {}),
         **{identifier: json.loads(value) for identifier, value in overrides.items()},
     }
-    return json.dumps(canonical, indent=2, sort_keys=True).splitlines()
+    return RuleSet.from_mapping(canonical)
 
 
 @rules_app.command("push")
@@ -330,9 +357,10 @@ def rules_push(
             return document, overrides
 
     document, overrides = run(current)
-    before = _full_text(document, overrides)
-    after = json.dumps(json.loads(rules.document), indent=2, sort_keys=True).splitlines()
-    diff = list(difflib.unified_diff(before, after, "in Redis", str(file), lineterm=""))
+    before = rules_lines(stored_rules(document, overrides))
+    diff = list(
+        difflib.unified_diff(before, rules_lines(rules), "in Redis", str(file), lineterm="", n=1)
+    )
     if document is not None and document.version == rules.version:
         if settings.json:
             emit({"pushed": False, "unchanged": True, "version": rules.version})
@@ -485,6 +513,8 @@ def bench(
                  "decisions_per_second", "allowed", "refused", "errors", "p50_ms", "p99_ms",
                  "max_ms"):  # fmt: skip
         value = summary[name]
+        if name == "decisions_per_second":
+            value = f"{value:,.0f}"
         table.add_row(
             name.replace("_", " "), f"{value:,}" if isinstance(value, int) else str(value)
         )
