@@ -12,7 +12,8 @@ original exception stays as ``__cause__``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
@@ -294,3 +295,24 @@ def mapped(error: BaseException, address: str, *, cluster: bool = False) -> Base
     except Exception as translated:
         return translated
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def messages(client: Redis, channel: str, address: str) -> AsyncIterator[bytes]:
+    """The messages published on ``channel``, through one SUBSCRIBE on ``client``'s server.
+
+    redis-py's errors become aiolimit's; closing the iterator (or cancelling its reader)
+    unsubscribes, waiting at most a second for a server that may be frozen.
+    """
+    pubsub = client.pubsub()
+    try:
+        with map_errors(address):
+            await pubsub.subscribe(channel)
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                if message is not None and message.get("type") == "message":
+                    data = message["data"]
+                    yield data.encode() if isinstance(data, str) else data
+    finally:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]

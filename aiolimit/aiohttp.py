@@ -29,19 +29,20 @@ from typing import Any, TypeVar
 from aiohttp import web
 from multidict import CIMultiDict
 
-from aiolimit._errors import ConfigurationError
 from aiolimit._limiter import Limiter
 from aiolimit._limits import BaseLimit
 from aiolimit._web.client_ip import DEFAULT_IPV6_PREFIX, ClientIPResolver, ForwardedHeader
 from aiolimit._web.flow import (
+    EXEMPT_MARK,
     Layer,
-    OwnLimits,
     RequestLimits,
     RouteLimit,
     RouteTable,
     Rule,
     Verdict,
     judge,
+    mark_exempt,
+    route_rule,
 )
 from aiolimit._web.headers import PROBLEM_CONTENT_TYPE
 from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, raw_header_key
@@ -87,7 +88,6 @@ def _peer(request: web.Request) -> str | None:
     return request.remote
 
 
-EXEMPT_MARK = "__aiolimit_exempt__"
 LAYERS_MARK = "__aiolimit_layers__"
 #: Where the first layer to judge a request leaves its ``RequestLimits``.
 #: (``web.RequestKey`` since aiohttp 3.12, where plain text keys warn; text before it).
@@ -97,16 +97,12 @@ REQUEST_KEY: Any = (
     else "aiolimit.request"
 )
 
-H = TypeVar("H")
+E = TypeVar("E")
 
 
-def exempt(handler: H) -> H:
+def exempt(handler: E) -> E:
     """Marks a handler as exempt from the middleware's limits (its own ``@limit`` still applies)."""
-    try:
-        setattr(handler, EXEMPT_MARK, True)
-    except AttributeError as exc:
-        raise ConfigurationError(f"cannot mark {handler!r} exempt: {exc}") from exc
-    return handler
+    return mark_exempt(handler)
 
 
 def route_scope(request: web.Request) -> str:
@@ -259,19 +255,9 @@ def limit(
     every limit that applies to it. Under ``rate_limit_middleware`` the middleware judges it
     with its own keys, once; alone, the outermost ``@limit`` judges all of the handler's.
     """
-    if key is not None:
-        if keys is not None:
-            raise ConfigurationError("give key= (one key function) or keys=, not both")
-        if limits is None:
-            raise ConfigurationError(
-                "key= names a route's own limits' key: give limits too (e.g. '5/minute'), "
-                "or keys={kind: key function} to apply the limiter's rules"
-            )
-        keys = {"key": key}
-    if limits is None and name is not None:
-        raise ConfigurationError("name= names a route's own limits: give limits too")
-    own = None if limits is None else OwnLimits(limits, name, route_scope)
-    rule = Rule(limiter, keys or {"ip": CLIENT_IP}, 1 if weight is None else weight, own)
+    rule = route_rule(
+        limiter, limits, key=key, keys=keys, weight=weight, name=name, route_scope=route_scope
+    )
     settings = _Settings(trusted_proxies, forwarded_header, ipv6_prefix, legacy_headers)
     marker = _Marker(Layer(rule, settings.client_ip, weight is not None, refund_on_error), settings)
 

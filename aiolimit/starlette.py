@@ -48,19 +48,20 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiolimit._decision import Decision
-from aiolimit._errors import ConfigurationError
 from aiolimit._limiter import Limiter
 from aiolimit._limits import BaseLimit
 from aiolimit._web.client_ip import DEFAULT_IPV6_PREFIX, ClientIPResolver, ForwardedHeader
 from aiolimit._web.flow import (
+    EXEMPT_MARK,
     Layer,
-    OwnLimits,
     RequestLimits,
     RouteLimit,
     RouteTable,
     Rule,
     Verdict,
     judge,
+    mark_exempt,
+    route_rule,
 )
 from aiolimit._web.headers import PROBLEM_CONTENT_TYPE
 from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, raw_header_key
@@ -103,7 +104,6 @@ def _encode(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
     return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers]
 
 
-EXEMPT_MARK = "__aiolimit_exempt__"
 #: Where the first layer to judge a request leaves its ``RequestLimits`` in the ASGI scope.
 SCOPE_KEY = "aiolimit.request"
 
@@ -115,11 +115,7 @@ def exempt(endpoint: E) -> E:
 
     ``@app.get("/health")`` above ``@exempt`` (FastAPI), or ``Route("/health", exempt(health))``.
     """
-    try:
-        setattr(endpoint, EXEMPT_MARK, True)
-    except AttributeError as exc:  # a builtin or a class with __slots__
-        raise ConfigurationError(f"cannot mark {endpoint!r} exempt: {exc}") from exc
-    return endpoint
+    return mark_exempt(endpoint)
 
 
 def route_scope(request: Request) -> str:
@@ -385,19 +381,9 @@ class RateLimit:
         refund_on_error: bool = False,
         legacy_headers: bool = False,
     ) -> None:
-        if key is not None:
-            if keys is not None:
-                raise ConfigurationError("give key= (one key function) or keys=, not both")
-            if limits is None:
-                raise ConfigurationError(
-                    "key= names a route's own limits' key: give limits too (e.g. '5/minute'), "
-                    "or keys={kind: key function} to apply the limiter's rules"
-                )
-            keys = {"key": key}
-        if limits is None and name is not None:
-            raise ConfigurationError("name= names a route's own limits: give limits too")
-        own = None if limits is None else OwnLimits(limits, name, route_scope)
-        rule = Rule(limiter, keys or {"ip": CLIENT_IP}, 1 if weight is None else weight, own)
+        rule = route_rule(
+            limiter, limits, key=key, keys=keys, weight=weight, name=name, route_scope=route_scope
+        )
         self._resolver = ClientIPResolver(
             trusted_proxies, header=forwarded_header, ipv6_prefix=ipv6_prefix
         )

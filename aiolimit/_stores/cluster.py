@@ -48,6 +48,7 @@ from aiolimit._connection import (
     is_retryable,
     map_errors,
     mapped,
+    messages,
     redact,
 )
 from aiolimit._deadline import current_deadline
@@ -353,21 +354,10 @@ class ClusterStore(Store):
         single = Redis(host=node.host, port=int(node.port), **{
             k: v for k, v in kwargs.items() if k in _SUBSCRIBER_OPTIONS
         })  # fmt: skip
-        pubsub = single.pubsub()
         try:
-            with map_errors(self.address, cluster=True):
-                await pubsub.subscribe(channel)
-                while True:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
-                    if message is not None and message.get("type") == "message":
-                        data = message["data"]
-                        yield data.encode() if isinstance(data, str) else data
+            async for message in messages(single, channel, self.address):
+                yield message
         finally:
-            # Bounded: closing must not wait on a frozen server (a cancelled follower's
-            # cleanup runs here).
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
                     await single.aclose()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -18,6 +16,7 @@ from aiolimit._connection import (
     lacks_functions,
     map_errors,
     mapped,
+    messages,
 )
 from aiolimit._stores.base import Arg, Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher
@@ -209,18 +208,5 @@ class RedisStore(Store):
             return await self.client.execute_command(*args)  # type: ignore[no-untyped-call]
 
     async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
-        pubsub = self.client.pubsub()
-        try:
-            with map_errors(self.address):
-                await pubsub.subscribe(channel)
-                while True:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
-                    if message is not None and message.get("type") == "message":
-                        data = message["data"]
-                        yield data.encode() if isinstance(data, str) else data
-        finally:
-            # Bounded: closing must not wait on a frozen server (a cancelled follower's
-            # cleanup runs here).
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+        async for message in messages(self.client, channel, self.address):
+            yield message

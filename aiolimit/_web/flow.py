@@ -12,7 +12,7 @@ import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiolimit._decision import Decision
 from aiolimit._errors import BackendError, ConfigurationError, WeightNeverFits
@@ -181,6 +181,51 @@ async def refund_quietly(limiter: Limiter, ids: Sequence[str], weight: int) -> N
 
 
 # -- one request ----------------------------------------------------------------------------
+
+
+def route_rule(
+    limiter: Limiter,
+    limits: Any,
+    *,
+    key: KeyFunc | None,
+    keys: Mapping[str, KeyFunc] | None,
+    weight: int | WeightFunc | None,
+    name: str | None,
+    route_scope: Callable[[Any], str],
+) -> Rule:
+    """The rule of a route's declaration (a dependency, a decorator), checked as both take it.
+
+    With ``limits`` the route has limits of its own (``OwnLimits``), per ``key`` (one key
+    function) or ``keys``; without, the limiter's rules apply to ``keys``. Unset, the weight
+    is 1 (and the route inherits the middleware's: see ``Layer.weight_given``).
+    """
+    if key is not None:
+        if keys is not None:
+            raise ConfigurationError("give key= (one key function) or keys=, not both")
+        if limits is None:
+            raise ConfigurationError(
+                "key= names a route's own limits' key: give limits too (e.g. '5/minute'), "
+                "or keys={kind: key function} to apply the limiter's rules"
+            )
+        keys = {"key": key}
+    if limits is None and name is not None:
+        raise ConfigurationError("name= names a route's own limits: give limits too")
+    own = None if limits is None else OwnLimits(limits, name, route_scope)
+    return Rule(limiter, keys or {"ip": CLIENT_IP}, 1 if weight is None else weight, own)
+
+
+#: The attribute ``exempt`` sets on an endpoint or handler.
+EXEMPT_MARK = "__aiolimit_exempt__"
+F = TypeVar("F")
+
+
+def mark_exempt(endpoint: F) -> F:
+    """Marks an endpoint or handler as exempt from the middleware's limits."""
+    try:
+        setattr(endpoint, EXEMPT_MARK, True)
+    except AttributeError as exc:  # a builtin or a class with __slots__
+        raise ConfigurationError(f"cannot mark {endpoint!r} exempt: {exc}") from exc
+    return endpoint
 
 
 @dataclass(frozen=True, slots=True)
