@@ -140,21 +140,35 @@ def _walk_dependencies(dependant: Any, found: dict[int, RateLimit], depth: int =
         _walk_dependencies(sub, found, depth + 1)
 
 
-def route_limits(route: Any) -> tuple[tuple[RateLimit, ...], bool]:
-    """The ``RateLimit`` dependencies of a route (FastAPI, at any depth) and its exemption."""
-    try:
-        cached = _ROUTE_MARKS.get(route)
-    except TypeError:  # None, or not weakly referable
-        cached = None
-    if cached is not None:
-        return cached
+def route_limits(route: Any, context: Any = None) -> tuple[tuple[RateLimit, ...], bool]:
+    """The ``RateLimit`` dependencies of a route (FastAPI, at any depth; with ``context``, a
+    FastAPI included router's effective route, its router's too) and its exemption."""
+    if context is None:
+        try:
+            cached = _ROUTE_MARKS.get(route)
+        except TypeError:  # None, or not weakly referable
+            cached = None
+        if cached is not None:
+            return cached
     found: dict[int, RateLimit] = {}
     _walk_dependencies(getattr(route, "dependant", None), found)
+    if context is not None:
+        _walk_dependencies(getattr(context, "dependant", None), found)
+        _add_depends(getattr(context, "dependencies", None), found)
     endpoint = getattr(route, "endpoint", None)
     marks = (tuple(found.values()), bool(getattr(endpoint, EXEMPT_MARK, False)))
-    with contextlib.suppress(TypeError):  # not weakly referable: not cached
-        _ROUTE_MARKS[route] = marks
+    if context is None:
+        with contextlib.suppress(TypeError):  # not weakly referable: not cached
+            _ROUTE_MARKS[route] = marks
     return marks
+
+
+def _add_depends(depends: Any, found: dict[int, RateLimit]) -> None:
+    """``Depends(...)`` markers (a router's ``dependencies=``) that are ``RateLimit``s."""
+    for marker in depends or ():
+        call = getattr(marker, "dependency", None)
+        if isinstance(call, RateLimit):
+            found.setdefault(id(call), call)
 
 
 _ROUTE_MARKS: weakref.WeakKeyDictionary[Any, tuple[tuple[RateLimit, ...], bool]] = (
@@ -162,35 +176,78 @@ _ROUTE_MARKS: weakref.WeakKeyDictionary[Any, tuple[tuple[RateLimit, ...], bool]]
 )
 
 
+def _included(route: Any) -> tuple[Sequence[Any], Any] | None:
+    """A FastAPI included router (a route that selects among its router's routes itself):
+    its router's routes and the ``Depends`` its inclusion adds; None for any other route."""
+    select = getattr(route, "_match", None)
+    router = getattr(route, "original_router", None)
+    if not callable(select) or router is None or hasattr(route, "endpoint"):
+        return None
+    context = getattr(route, "include_context", None)
+    return getattr(router, "routes", ()), getattr(context, "dependencies", None)
+
+
 def _marked(routes: Sequence[Any], depth: int = 0) -> bool:
-    """Whether any route (through mounts) has limits of its own or is exempt."""
+    """Whether any route (through mounts and included routers) has limits or is exempt."""
     for route in routes:
         layers, is_exempt = route_limits(route)
         if layers or is_exempt:
             return True
+        if depth >= 8:
+            continue
+        included = _included(route)
+        if included is not None:
+            found: dict[int, RateLimit] = {}
+            _add_depends(included[1], found)
+            if found or _marked(included[0], depth + 1):
+                return True
+            continue
         inner = getattr(route, "routes", None)
-        if inner and depth < 8 and not hasattr(route, "endpoint") and _marked(inner, depth + 1):
+        if inner and not hasattr(route, "endpoint") and _marked(inner, depth + 1):
             return True
     return False
 
 
-def match_route(routes: Sequence[Any], scope: Scope, depth: int = 0) -> tuple[Any, Scope] | None:
-    """The route Starlette's router will pick (the first full match, else the first partial
-    one), through mounts, and the scope it will see; None when nothing matches."""
-    partial: tuple[Any, Scope] | None = None
+class _EffectiveRoute:
+    """What a key function or a route's own limits read of a route: path, methods, endpoint."""
+
+    __slots__ = ("endpoint", "methods", "name", "path")
+
+    def __init__(self, route: Any, context: Any) -> None:
+        self.path = getattr(context, "path", None) or getattr(route, "path", None)
+        self.methods = getattr(route, "methods", None)
+        self.endpoint = getattr(route, "endpoint", None)
+        self.name = getattr(route, "name", None)
+
+
+def match_route(
+    routes: Sequence[Any], scope: Scope, depth: int = 0
+) -> tuple[Any, Any, Scope] | None:
+    """The route the router will run, fully matched (through mounts and FastAPI's included
+    routers), its FastAPI context if any, and the scope it will see. None when no route
+    matches fully: a 404 or 405 is judged by the middleware's own limits alone."""
     for route in routes:
+        if depth < 8 and _included(route) is not None:
+            try:
+                match, child, inner, context = route._match(scope)
+            except Exception:  # another FastAPI's internals: leave it to the dependencies
+                return None
+            if match is not Match.FULL or inner is None:
+                continue
+            merged = {**scope, **child}
+            if inner is route or _included(inner) is not None:
+                return match_route([inner], merged, depth + 1) if inner is not route else None
+            merged["route"] = _EffectiveRoute(inner, context)
+            return inner, context, merged
         match, child = route.matches(scope)
-        if match is Match.NONE:
+        if match is not Match.FULL:
             continue
-        inner = getattr(route, "routes", None)
-        if match is Match.FULL:
-            merged = {**scope, **child, "route": route}
-            if inner is not None and not hasattr(route, "endpoint") and depth < 8:
-                return match_route(inner, merged, depth + 1)
-            return route, merged
-        if partial is None:
-            partial = (route, {**scope, **child, "route": route})
-    return partial
+        merged = {**scope, **child, "route": route}
+        inner_routes = getattr(route, "routes", None)
+        if inner_routes is not None and not hasattr(route, "endpoint") and depth < 8:
+            return match_route(inner_routes, merged, depth + 1)
+        return route, None, merged
+    return None
 
 
 class RateLimitMiddleware:
@@ -257,8 +314,8 @@ class RateLimitMiddleware:
         found = match_route(routes, scope)
         if found is None:
             return (), False, scope
-        layers, is_exempt = route_limits(found[0])
-        return layers, is_exempt, found[1]
+        layers, is_exempt = route_limits(found[0], found[1])
+        return layers, is_exempt, found[2]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -473,3 +473,34 @@ async def test_deny_list_is_403_and_shadow_rules_never_429(redis_url: str, prefi
         assert enforced.status_code == 429
         assert limiter.statistics().shadow_refusals == 1  # the third was refused anyway
         assert await left(limiter, f"ip:{IP}") == 0
+
+
+async def test_router_level_dependencies_are_judged_once_and_405_charges_no_route(
+    limiter_factory: Factory,
+) -> None:
+    from fastapi import APIRouter
+
+    limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
+    app = FastAPI()
+    app.add_middleware(RateLimitMiddleware, limiter=limiter, keys={"ip": lambda r: IP})
+    for prefix in ("/v1", "/v2"):
+        router = APIRouter(prefix=prefix, dependencies=[Depends(RateLimit(limiter, "3/hour"))])
+
+        @router.get("/items/{item_id}")
+        async def item(item_id: int) -> dict[str, int]:
+            return {"item": item_id}
+
+        app.include_router(router)
+    async with serve(app) as client:
+        got = [await client.get(f"/v1/items/{n}") for n in range(4)]
+        other = await client.get("/v2/items/1")
+        wrong_method = await client.post("/v1/items/1")
+    assert [r.status_code for r in got] == [200, 200, 200, 429]
+    assert remaining(got[0]) == {"ip-100-per-60s": 99, "GET__v1_items__item_id_-3-per-3600s": 2}
+    assert other.status_code == 200  # the same relative path under another prefix: its own
+    assert wrong_method.status_code == 405
+    # One decision per request (the router's limit judged with the middleware's), and the
+    # 405 went through the middleware's own limit only.
+    assert limiter.statistics().decisions == 6
+    assert await left(limiter, "GET /v1/items/{item_id}:ip:" + IP) == 0
+    assert await left(limiter, f"ip:{IP}") == 100 - 4 - 1
