@@ -309,18 +309,34 @@ class RulesFollower:
         found = self._cache.get(identifier)
         return found if isinstance(found, Override) else None
 
-    async def prefetch(self, ids: Iterable[str]) -> None:
-        """Looks up the call's identifiers of kinds with overrides that are not cached."""
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def missing(self, ids: Iterable[str]) -> list[str]:
+        """The call's identifiers of kinds with overrides that are not cached (the cached
+        ones are marked as recently used)."""
         kinds = self._override_kinds
         if not kinds:
-            return
+            return []
         cache = self._cache
-        wanted = [i for i in dict.fromkeys(ids) if i not in cache and identifier_kind(i) in kinds]
-        if not wanted:
-            for identifier in ids:
-                if identifier in cache:
-                    cache.move_to_end(identifier)
-            return
+        wanted = []
+        for identifier in ids:
+            if identifier in cache:
+                cache.move_to_end(identifier)
+            elif identifier_kind(identifier) in kinds and identifier not in wanted:
+                wanted.append(identifier)
+        return wanted
+
+    async def prefetch(self, ids: Iterable[str]) -> None:
+        """Looks up the call's identifiers of kinds with overrides that are not cached."""
+        wanted = self.missing(ids)
+        if wanted:
+            await self.fetch(wanted)
+
+    async def fetch(self, wanted: list[str]) -> None:
+        """Looks ``wanted`` up in the overrides hash (one HMGET) and caches the answers."""
+        cache = self._cache
         epoch = self._epoch
         values = await self.store.command("HMGET", self.keys.overrides, *wanted)
         self.statistics.override_lookups += 1

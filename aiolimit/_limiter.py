@@ -316,10 +316,12 @@ class Limiter:
         # the limiter's own) and the cached overrides decide.
         budget = self._failure.deadline_seconds or FOLLOW_TIMEOUT
         try:
-            await follower.start(budget)
-            if self._failure.breaker.state != "open":
+            if not follower.started:
+                await follower.start(budget)
+            wanted = follower.missing((ids,) if isinstance(ids, str) else ids)
+            if wanted and self._failure.breaker.state != "open":
                 async with asyncio.timeout(budget):
-                    await follower.prefetch((ids,) if isinstance(ids, str) else ids)
+                    await follower.fetch(wanted)
         except (BackendError, TimeoutError):
             pass
 
