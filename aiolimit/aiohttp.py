@@ -205,6 +205,7 @@ def rate_limit_middleware(
     table = RouteTable(Rule(limiter, keys or {"ip": CLIENT_IP}, weight), routes)
     settings = _Settings(trusted_proxies, forwarded_header, ipv6_prefix, legacy_headers)
     exempt_request = exempt
+    own_layers: dict[int, Layer] = {}  # per rule of the route table (they live as long)
 
     @web.middleware
     async def aiolimit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -214,7 +215,12 @@ def rate_limit_middleware(
             rule = None
         layers = [marker.layer for marker in markers]
         if rule is not None:
-            layers.insert(0, Layer(rule, settings.client_ip, refund=refund_on_error))
+            layer = own_layers.get(id(rule))
+            if layer is None:
+                layer = own_layers[id(rule)] = Layer(
+                    rule, settings.client_ip, refund=refund_on_error
+                )
+            layers.insert(0, layer)
         if not layers:
             return await handler(request)
         return await _judge_first(layers, markers, settings, request, handler)

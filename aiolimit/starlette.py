@@ -289,6 +289,7 @@ class RateLimitMiddleware:
         self._refund = refund_on_error
         self._legacy = legacy_headers
         self._marked: dict[int, tuple[int, bool]] = {}
+        self._layers: dict[int, Layer] = {}  # per rule of the route table (they live as long)
 
     def _client_ip(self, request: Request) -> str | None:
         scope = request.scope
@@ -328,7 +329,10 @@ class RateLimitMiddleware:
             rule = None
         layers = [dep.layer for dep in own]
         if rule is not None:
-            layers.insert(0, Layer(rule, self._client_ip, refund=self._refund))
+            layer = self._layers.get(id(rule))
+            if layer is None:
+                layer = self._layers[id(rule)] = Layer(rule, self._client_ip, refund=self._refund)
+            layers.insert(0, layer)
         if not layers:
             await self.app(scope, receive, send)
             return

@@ -315,6 +315,8 @@ async def judge(layers: Sequence[Layer], request: Any, *, legacy: bool) -> Verdi
     Store failures follow each limiter's ``on_error``: a degraded admission passes without
     headers, a degraded refusal is a 503, and ``"raise"`` lets ``BackendError`` through.
     """
+    if len(layers) == 1:
+        return await _judge_one(layers[0], request, legacy=legacy)
     groups: dict[int, tuple[Limiter, dict[str, None]]] = {}
     for layer in layers:
         ids = await layer.rule.identifiers(request, functools.partial(layer.client_ip, request))
@@ -356,6 +358,29 @@ async def judge(layers: Sequence[Layer], request: Any, *, legacy: bool) -> Verdi
     return verdict
 
 
+async def _judge_one(layer: Layer, request: Any, *, legacy: bool) -> Verdict | None:
+    """``judge`` for the common case of one layer (a middleware alone): one limiter."""
+    rule = layer.rule
+    ids = await rule.identifiers(request, functools.partial(layer.client_ip, request))
+    if not ids:
+        return None
+    weight = await rule.weight_of(request)
+    limiter = rule.limiter
+    try:
+        decision = await limiter.try_acquire(ids, weight)
+    except WeightNeverFits as exc:
+        status, body = never_fits_body(exc)
+        return Verdict([], None, [], status, body)
+    if not decision.allowed:
+        return refusal(decision, legacy=legacy)
+    return Verdict(
+        [Charge(limiter, ids, weight, decision)],
+        decision,
+        rate_limit_headers(decision, legacy=legacy),
+        refund=layer.refund,
+    )
+
+
 def refusal(decision: Decision, *, legacy: bool) -> Verdict:
     """The verdict for a refused decision: 429 (503 when degraded, 403 when denied)."""
     if decision.denied:
@@ -382,13 +407,14 @@ class RequestLimits:
     response as it is; if it admits, its decision joins the response's headers.
     """
 
-    __slots__ = ("included", "legacy", "refused", "verdict")
+    __slots__ = ("added", "included", "legacy", "refused", "verdict")
 
     def __init__(self, included: Sequence[object], legacy: bool) -> None:
-        self.included = {id(layer): layer for layer in included}
+        self.included = {id(layer): layer for layer in included} if included else {}
         self.legacy = legacy
         self.verdict: Verdict | None = None
         self.refused: Verdict | None = None
+        self.added = False  # a later layer added charges: the headers are merged again
 
     def judged(self, marker: object) -> bool:
         return id(marker) in self.included
@@ -396,6 +422,8 @@ class RequestLimits:
     def headers(self) -> list[tuple[str, str]]:
         if self.refused is not None or self.verdict is None:
             return []
+        if not self.added:
+            return self.verdict.headers
         return merged_headers(self.verdict.charges, legacy=self.legacy)
 
     async def add(self, layers: Sequence[Layer], request: Any) -> Verdict | None:
@@ -412,4 +440,5 @@ class RequestLimits:
         else:
             self.verdict.charges += verdict.charges
             self.verdict.refund = self.verdict.refund or verdict.refund
+            self.added = True
         return verdict
