@@ -68,10 +68,14 @@ async def next_change(queue: asyncio.Queue[dict]) -> dict:
     return await asyncio.wait_for(queue.get(), 5)
 
 
-async def test_a_push_reaches_every_process_within_the_bound(redis_url: str, prefix: str) -> None:
+@pytest.mark.parametrize("server", ["standalone", "cluster"])
+async def test_a_push_reaches_every_process_within_the_bound(
+    server: str, redis_url: str, redis_cluster_url: str, prefix: str
+) -> None:
+    url = redis_url if server == "standalone" else redis_cluster_url
     async with (
-        Limiter(redis_url, {"user": "1/hour"}, prefix=prefix) as pusher,
-        followers(redis_url, prefix, 3) as queues,
+        Limiter(url, {"user": "1/hour"}, prefix=prefix) as pusher,
+        followers(url, prefix, 3) as queues,
     ):
         latencies = []
         for rules, allowed in ((DENY_PROBE, False), (ALLOW_PROBE, True), (DENY_PROBE, False)):
@@ -82,7 +86,9 @@ async def test_a_push_reaches_every_process_within_the_bound(redis_url: str, pre
                 assert change["version"] == rules.version
                 assert change["allowed"] is allowed  # the rules decide, not just the version
                 latencies.append(change["at"] - pushed_at)
-        print(f"push -> in force: max {max(latencies) * 1000:.1f} ms over {len(latencies)}")
+        print(
+            f"{server}: push -> in force, max {max(latencies) * 1000:.1f} ms over {len(latencies)}"
+        )
         assert max(latencies) < BOUND
 
 
