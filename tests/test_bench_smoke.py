@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import redis
 
 from bench import bench
@@ -60,3 +61,13 @@ def test_percentile_is_nearest_rank() -> None:
     """p50 of 1..100 is 50, p99 is 99, p100 the maximum."""
     values = list(range(1, 101))
     assert [percentile(values, q) for q in (50, 99, 100)] == [50, 99, 100]
+
+
+def test_rules_scale_and_middleware_cpu_benches_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """The two operations benches run to the end on tiny counts (they start their own server)."""
+    from bench import middleware_cpu, rules_scale
+
+    assert rules_scale.main(["--overrides", "300", "--decisions", "50"]) == 0
+    assert middleware_cpu.main(["--requests", "50", "--rounds", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "300 overrides" in printed and "behind RateLimitMiddleware" in printed
