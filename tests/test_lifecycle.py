@@ -173,3 +173,26 @@ async def test_a_password_protected_server_works_and_stays_hidden(
         with pytest.raises(Exception) as caught:
             await limiter.try_acquire("ip:1")
         assert "wrong-s3cret" not in str(caught.value)
+
+
+async def test_aclose_returns_while_the_server_is_frozen(
+    fresh_standalone: cluster.Standalone,
+) -> None:
+    """Degraded decisions left pipelines waiting on a SIGSTOPped server: aclose waited for them
+    with no bound (until the server resumed). Now: the undos' grace, then the pipelines'."""
+    import time
+
+    from aiolimit._protocol import UNDO_BUDGET
+    from aiolimit._stores.batching import CLOSE_GRACE
+
+    fresh_standalone.pause()
+    try:
+        limiter = Limiter(fresh_standalone.url, {"user": "5/hour"}, deadline=0.2, on_error="open")
+        for n in range(3):
+            assert (await limiter.try_acquire(f"user:{n}")).degraded
+        started = time.monotonic()
+        async with asyncio.timeout(UNDO_BUDGET + CLOSE_GRACE + 5):
+            await limiter.aclose()
+        assert time.monotonic() - started < UNDO_BUDGET + CLOSE_GRACE + 1
+    finally:
+        fresh_standalone.resume()

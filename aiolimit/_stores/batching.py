@@ -50,6 +50,8 @@ SendTick = Callable[[list[Pending]], Awaitable[None]]
 
 #: A tick's calls are split in two pipelines or more once each half has this many calls.
 MIN_SPLIT = 8
+#: Seconds ``aclose`` waits for pipelines in flight before it cuts them short.
+CLOSE_GRACE = 2.0
 
 
 class TickBatcher:
@@ -108,12 +110,23 @@ class TickBatcher:
             if not isinstance(error, Exception):
                 raise
 
-    async def aclose(self) -> None:
-        """Sends what is queued and waits for every pipeline in flight."""
+    async def aclose(self, grace: float = CLOSE_GRACE) -> None:
+        """Sends what is queued and waits for the pipelines in flight, ``grace`` seconds at
+        most: then the ones a silent server never answered are cut short (their calls fail
+        with ``TimeoutError``; what the server does with them later is the ops' business)."""
         if self._queue:
             self._flush()
+        deadline = asyncio.get_running_loop().time() + grace
         while self._sending:  # a send may spawn more while it is awaited
-            await asyncio.gather(*self._sending, return_exceptions=True)
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            await asyncio.wait(list(self._sending), timeout=left)
+        stuck = list(self._sending)
+        for task in stuck:
+            task.cancel()
+        if stuck:
+            await asyncio.gather(*stuck, return_exceptions=True)
 
 
 async def wait_results(futures: Sequence[asyncio.Future[Result]], deadline: float) -> list[Result]:
