@@ -246,7 +246,7 @@ async def test_following_never_slows_decisions_while_the_server_is_frozen(
         assert await limiter.push_rules(ALLOW_PROBE)
         assert (await limiter.try_acquire("user:a")).allowed
         fresh_standalone.pause()
-        # (Opened while frozen, closed after the resume: aclose waits for pending undos.)
+        # Opened while frozen; closed after the resume (aclose would take its grace periods).
         fresh = Limiter(fresh_standalone.url, {"user": "5/hour"}, **options)  # type: ignore[arg-type]
         try:
             for subject in (limiter, fresh, limiter, fresh):
