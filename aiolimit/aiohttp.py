@@ -110,7 +110,8 @@ def route_scope(request: web.Request) -> str:
     route = request.match_info.route
     resource = route.resource
     path = resource.canonical if resource is not None else request.path
-    return f"{route.method} {path}" if route.method != "*" else path
+    method = "GET" if route.method == "HEAD" else route.method  # add_get adds a HEAD route
+    return f"{method} {path}" if method != "*" else path
 
 
 class _Settings:
@@ -148,23 +149,34 @@ def _route_layers(request: web.Request) -> tuple[tuple[_Marker, ...], bool]:
 
 async def _run(state: RequestLimits, request: web.Request, handler: Handler) -> web.StreamResponse:
     """Runs the handler under an admitted verdict: refunds on error, adds the headers."""
-    verdict = state.verdict
-    refund = verdict is not None and verdict.refund and verdict.refundable
+    response = await _refunding(state.verdict, request, handler, state)
+    if state.refused is None and not response.prepared:
+        response.headers.extend(state.headers())
+    return response
+
+
+async def _refunding(
+    verdict: Verdict | None,
+    request: web.Request,
+    handler: Handler,
+    state: RequestLimits | None = None,
+) -> web.StreamResponse:
+    """Runs the handler; when it raises or answers 5xx, gives back the charges whose layers
+    asked for ``refund_on_error`` (each charge once, whoever notices first)."""
     try:
         response = await handler(request)
     except web.HTTPException as exc:
-        if refund and exc.status >= 500 and verdict is not None:
-            await verdict.give_back()
-        exc.headers.extend(state.headers())
+        if verdict is not None and exc.status >= 500:
+            await verdict.give_back(on_error=True)
+        if state is not None:
+            exc.headers.extend(state.headers())
         raise
     except Exception:
-        if refund and verdict is not None:
-            await verdict.give_back()
+        if verdict is not None:
+            await verdict.give_back(on_error=True)
         raise
-    if refund and response.status >= 500 and verdict is not None:
-        await verdict.give_back()
-    if state.refused is None and not response.prepared:
-        response.headers.extend(state.headers())
+    if verdict is not None and response.status >= 500:
+        await verdict.give_back(on_error=True)
     return response
 
 
@@ -221,6 +233,18 @@ def rate_limit_middleware(
                     rule, settings.client_ip, refund=refund_on_error
                 )
             layers.insert(0, layer)
+        outer = request.get(REQUEST_KEY)
+        if isinstance(outer, RequestLimits):
+            # Another middleware judged first: join its decision (its headers, its refunds).
+            layers = [m.layer for m in markers if not outer.judged(m)]
+            if rule is not None:
+                layers.insert(0, own_layers[id(rule)])
+            outer.include(markers)
+            if layers:
+                verdict = await outer.add(layers, request)
+                if verdict is not None and verdict.refused:
+                    return _problem(verdict)
+            return await handler(request)
         if not layers:
             return await handler(request)
         return await _judge_first(layers, markers, settings, request, handler)
@@ -280,7 +304,7 @@ def limit(
                 verdict = await state.add([marker.layer], request)
                 if verdict is not None and verdict.refused:
                     return _problem(verdict)
-                return await handler(request)
+                return await _refunding(verdict, request, handler)
             layers = [m.layer for m in markers]
             return await _judge_first(layers, markers, settings, request, handler)
 

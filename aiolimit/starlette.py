@@ -95,9 +95,19 @@ def _raw_headers(request: Request) -> list[tuple[bytes, bytes]]:
 
 def path_key(request: Request) -> str:
     """Key function: the route's path template when routed (dependency), else the URL path."""
-    route = request.scope.get("route")
-    template = getattr(route, "path", None)
+    template = _effective_path(request.scope, request.scope.get("route"))
     return template if isinstance(template, str) else request.url.path
+
+
+def _effective_path(scope: Scope, route: Any) -> Any:
+    """The route's full path template: FastAPI 0.16x keeps the original route of an included
+    router (its path without the inclusion's prefix) and the effective one beside it."""
+    fastapi_scope = scope.get("fastapi")
+    if isinstance(fastapi_scope, dict):
+        effective = getattr(fastapi_scope.get("effective_route_context"), "path", None)
+        if isinstance(effective, str) and effective:
+            return effective
+    return getattr(route, "path", None)
 
 
 def _encode(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
@@ -121,7 +131,7 @@ def exempt(endpoint: E) -> E:
 def route_scope(request: Request) -> str:
     """A route's own limits are kept per ``"<methods> <path template>"`` (``"GET /items/{id}"``)."""
     route = request.scope.get("route")
-    path = getattr(route, "path", None)
+    path = _effective_path(request.scope, route)
     if not isinstance(path, str):
         return request.url.path
     methods = getattr(route, "methods", None) or ()
@@ -303,6 +313,8 @@ class RateLimitMiddleware:
     def _route(self, scope: Scope) -> tuple[tuple[RateLimit, ...], bool, Scope]:
         """The matched route's own layers and exemption, and the scope it will see."""
         router = getattr(scope.get("app"), "router", None)
+        if router is None:
+            router = self._inner_router()
         routes = getattr(router, "routes", None)
         if not routes:
             return (), False, scope
@@ -316,7 +328,26 @@ class RateLimitMiddleware:
         if found is None:
             return (), False, scope
         layers, is_exempt = route_limits(found[0], found[1])
+        overrides = getattr(scope.get("app"), "dependency_overrides", None)
+        if overrides and layers:  # an overridden RateLimit (tests often turn limits off so)
+            layers = tuple(dep for dep in layers if dep not in overrides)
         return layers, is_exempt, found[2]
+
+    def _inner_router(self) -> Any:
+        """The router of the app this middleware wraps directly (``RateLimitMiddleware(app)``
+        rather than ``add_middleware``: the app has not put itself in the scope yet), found
+        through other middlewares' ``.app``."""
+        inner: Any = self.app
+        for _ in range(8):
+            router = getattr(inner, "router", None)
+            if router is not None:
+                return router
+            if getattr(inner, "routes", None) is not None:
+                return inner
+            inner = getattr(inner, "app", None)
+            if inner is None:
+                return None
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -327,16 +358,24 @@ class RateLimitMiddleware:
         request = Request(seen, receive)
         if rule is not None and self._exempt is not None and await _call(self._exempt, request):
             rule = None
-        layers = [dep.layer for dep in own]
+        base = None
         if rule is not None:
-            layer = self._layers.get(id(rule))
-            if layer is None:
-                layer = self._layers[id(rule)] = Layer(rule, self._client_ip, refund=self._refund)
-            layers.insert(0, layer)
+            base = self._layers.get(id(rule))
+            if base is None:
+                base = self._layers[id(rule)] = Layer(rule, self._client_ip, refund=self._refund)
+        outer = scope.get(SCOPE_KEY)
+        if isinstance(outer, RequestLimits):
+            # Another middleware judged first: join its decision (its headers, its refunds).
+            await self._join(outer, base, own, request, scope, receive, send)
+            return
+        layers = [dep.layer for dep in own]
+        if base is not None:
+            layers.insert(0, base)
         if not layers:
             await self.app(scope, receive, send)
             return
         state = RequestLimits(own, self._legacy)
+        state.missed = self._marked.clear
         scope[SCOPE_KEY] = state
         verdict = await judge(layers, request, legacy=self._legacy)
         if verdict is not None and verdict.refused:
@@ -357,11 +396,33 @@ class RateLimitMiddleware:
         try:
             await self.app(scope, receive, send_with_headers)
         except Exception:
-            if state.verdict is not None and state.verdict.refund:
-                await state.verdict.give_back()
+            if state.verdict is not None:
+                await state.verdict.give_back(on_error=True)
             raise
-        if status >= 500 and state.verdict is not None and state.verdict.refund:
-            await state.verdict.give_back()
+        if status >= 500 and state.verdict is not None:
+            await state.verdict.give_back(on_error=True)
+
+    async def _join(
+        self,
+        outer: RequestLimits,
+        base: Layer | None,
+        own: Sequence[RateLimit],
+        request: Request,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Under another middleware: judge what it did not, as part of its request."""
+        layers = [dep.layer for dep in own if not outer.judged(dep)]
+        if base is not None:
+            layers.insert(0, base)
+        outer.include(own)
+        if layers:
+            verdict = await outer.add(layers, request)
+            if verdict is not None and verdict.refused:
+                await _send_problem(send, verdict)
+                return
+        await self.app(scope, receive, send)  # the outer middleware writes the headers
 
 
 async def _send_problem(send: Send, verdict: Verdict) -> None:
@@ -466,6 +527,8 @@ class RateLimit:
             yield None if state.verdict is None else state.verdict.decision_for(limiter)
             return
         if isinstance(state, RequestLimits):
+            if state.missed is not None:
+                state.missed()  # the middleware's route index did not see this dependency
             verdict = await state.add([self.layer], request)
             outer = True
         else:
@@ -493,8 +556,8 @@ class RateLimit:
             yield verdict.decision_for(limiter)
         except HTTPException as exc:
             if exc.status_code >= 500:
-                await verdict.give_back()
+                await verdict.give_back(on_error=True)
             raise
         except Exception:
-            await verdict.give_back()
+            await verdict.give_back(on_error=True)
             raise

@@ -435,8 +435,10 @@ async def test_a_route_layer_asking_for_refunds_gets_them_under_the_middleware(
         absent = await client.get("/missing")
     assert failed == [502] * 3
     assert absent.status_code == 404
-    assert await left(limiter, f"ip:{IP}") == 99  # only the 404 stays charged
+    # The route's limit is refunded for the 502s (only the 404 stays charged); the
+    # middleware did not ask for refunds, so its limit keeps every request.
     assert await left(limiter, f"upstream:ip:{IP}") == 49
+    assert await left(limiter, f"ip:{IP}") == 96
 
 
 async def test_deny_list_is_403_and_shadow_rules_never_429(redis_url: str, prefix: str) -> None:
@@ -504,3 +506,181 @@ async def test_router_level_dependencies_are_judged_once_and_405_charges_no_rout
     assert limiter.statistics().decisions == 6
     assert await left(limiter, "GET /v1/items/{item_id}:ip:" + IP) == 0
     assert await left(limiter, f"ip:{IP}") == 100 - 4 - 1
+
+
+# -- found by an adversarial review: each failed before its fix -------------------------------
+
+
+async def test_included_router_scopes_carry_the_prefix_without_middleware(
+    limiter_factory: Factory,
+) -> None:
+    from fastapi import APIRouter
+
+    limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
+    guard = RateLimit(limiter, "2/hour")
+    app = FastAPI()
+    router = APIRouter()
+
+    @router.get("/x", dependencies=[Depends(guard)])
+    async def x() -> str:
+        return "x"
+
+    app.include_router(router, prefix="/v1")
+    app.include_router(router, prefix="/v2")
+    async with serve(app) as client:
+        v1 = [await client.get("/v1/x") for _ in range(3)]
+        v2 = await client.get("/v2/x")
+    assert [r.status_code for r in v1] == [200, 200, 429]
+    assert v2.status_code == 200  # was 429: both prefixes shared "GET /x"
+    assert set(remaining(v2)) == {"GET__v2_x-2-per-3600s"}
+
+
+async def test_two_middlewares_make_one_request_judged_once(limiter_factory: Factory) -> None:
+    a = limiter_factory({"ip": [SlidingLog(100, per=60)]}, name="-a")
+    b = limiter_factory({"user": [SlidingLog(2, per=60)]}, name="-b")
+    guard = RateLimit(a, "10/hour", name="r")
+    app = FastAPI()
+
+    @app.get("/x", dependencies=[Depends(guard)])
+    async def x() -> str:
+        return "x"
+
+    app.add_middleware(RateLimitMiddleware, limiter=b, keys={"user": header_key("x-user")})
+    app.add_middleware(RateLimitMiddleware, limiter=a, keys={"ip": lambda r: IP})
+    async with serve(app) as client:
+        responses = [await client.get("/x", headers={"x-user": "u"}) for _ in range(3)]
+    assert [r.status_code for r in responses] == [200, 200, 429]
+    assert remaining(responses[1]) == {
+        "ip-100-per-60s": 98,
+        "r-10-per-3600s": 8,
+        "user-2-per-60s": 0,
+    }
+    # The route's limit was judged once per request, and the inner refusal gave back the
+    # outer middleware's charges.
+    assert await left(a, f"r:ip:{IP}") == 8
+    assert await left(a, f"ip:{IP}") == 98
+
+
+async def test_aiohttp_two_middlewares_and_head_shares_get_budget(
+    limiter_factory: Factory,
+) -> None:
+    a = limiter_factory({"ip": [SlidingLog(100, per=60)]}, name="-a")
+    b = limiter_factory({"user": [SlidingLog(2, per=60)]}, name="-b")
+
+    @aio.limit(a, "10/hour", name="r")
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    @aio.limit(a, "2/hour")
+    async def pinged(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(
+        middlewares=[
+            aio.rate_limit_middleware(a, keys={"ip": lambda r: IP}),
+            aio.rate_limit_middleware(b, keys={"user": aio.header_key("x-user")}),
+        ]
+    )
+    app.router.add_get("/h", handler)
+    app.router.add_get("/p", pinged)
+    async with running(app) as base, httpx.AsyncClient(base_url=base) as client:
+        responses = [await client.get("/h", headers={"x-user": "u"}) for _ in range(3)]
+        pings = [await client.request(m, "/p") for m in ("GET", "HEAD", "GET")]
+    assert [r.status_code for r in responses] == [200, 200, 429]
+    one_field_set(responses[0])
+    assert await left(a, f"r:ip:{IP}") == 8
+    assert [r.status_code for r in pings] == [200, 200, 429]  # HEAD counts as GET
+
+
+async def test_a_refund_is_given_once_and_only_where_asked(limiter_factory: Factory) -> None:
+    """The middleware wraps the app directly; the dependency asks for refunds, the middleware
+    does not. A 502 gives back the dependency's charge once, not the middleware's."""
+    limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
+    guard = RateLimit(limiter, "50/hour", name="up", refund_on_error=True)
+    inner = FastAPI()
+
+    @inner.get("/ok", dependencies=[Depends(guard)])
+    async def ok() -> str:
+        return "ok"
+
+    @inner.get("/fail", dependencies=[Depends(guard)])
+    async def fail() -> None:
+        raise HTTPException(502, "upstream failed")
+
+    app = RateLimitMiddleware(inner, limiter=limiter, keys={"ip": lambda r: IP})
+    async with serve(app) as client:
+        statuses = [(await client.get(p)).status_code for p in ("/ok", "/ok", "/ok", "/fail")]
+    assert statuses == [200, 200, 200, 502]
+    assert await left(limiter, f"up:ip:{IP}") == 47
+    assert await left(limiter, f"ip:{IP}") == 96
+    assert limiter.statistics().decisions == 4  # one decision per request, wrapped or not
+
+
+async def test_aiohttp_decorator_judged_late_still_refunds(limiter_factory: Factory) -> None:
+    limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
+
+    @aio.limit(limiter, "50/hour", name="up", refund_on_error=True)
+    async def upstream(request: web.Request) -> web.Response:
+        raise web.HTTPBadGateway()
+
+    async def plain(request: web.Request) -> web.StreamResponse:  # calls a limited one
+        return await upstream(request)
+
+    app = web.Application(
+        middlewares=[aio.rate_limit_middleware(limiter, keys={"ip": lambda r: IP})]
+    )
+    app.router.add_get("/p", plain)
+    async with running(app) as base:
+        failed = await fetch(base, "/p")
+    assert failed.status_code == 502
+    assert await left(limiter, f"up:ip:{IP}") == 50
+
+
+async def test_dependency_overrides_turn_a_route_limit_off(limiter_factory: Factory) -> None:
+    limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
+    guard = RateLimit(limiter, "1/hour")
+    app = FastAPI()
+    app.add_middleware(RateLimitMiddleware, limiter=limiter, keys={"ip": lambda r: IP})
+
+    @app.get("/x", dependencies=[Depends(guard)])
+    async def x() -> str:
+        return "x"
+
+    app.dependency_overrides[guard] = lambda: None
+    async with serve(app) as client:
+        statuses = [(await client.get("/x")).status_code for _ in range(2)]
+    assert statuses == [200, 200]
+
+
+async def test_a_route_added_late_is_judged_in_one_decision_after_its_first_request(
+    limiter_factory: Factory,
+) -> None:
+    """The middleware indexes the routes once; a route with limits added later is judged on
+    its own the first time (two decisions, charges exact), and the index is rebuilt."""
+    from fastapi import APIRouter
+
+    limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
+    guard = RateLimit(limiter, "10/hour", name="late")
+    app = FastAPI()
+    app.add_middleware(RateLimitMiddleware, limiter=limiter, keys={"ip": lambda r: IP})
+    router = APIRouter()
+
+    @router.get("/a")
+    async def a() -> str:
+        return "a"
+
+    app.include_router(router, prefix="/r")
+    async with serve(app) as client:
+        await client.get("/r/a")
+
+        @router.get("/late", dependencies=[Depends(guard)])
+        async def late() -> str:
+            return "late"
+
+        first = await client.get("/r/late")
+        before = limiter.statistics().decisions
+        second = await client.get("/r/late")
+        after = limiter.statistics().decisions
+    one_field_set(first)
+    assert remaining(second) == {"ip-100-per-60s": 97, "late-10-per-3600s": 8}
+    assert after - before == 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiolimit._decision import Decision
@@ -245,17 +245,28 @@ class Layer:
 
 @dataclass(slots=True)
 class Charge:
-    """One limiter's decision within a request's verdict."""
+    """One limiter's decision within a request's verdict.
+
+    ``refund_ids``: the identifiers of the layers that asked for ``refund_on_error`` (given
+    back when the request fails); ``given_back``: refunded already (a charge is shared by
+    every layer's view of the request, and given back once).
+    """
 
     limiter: Limiter
     ids: list[str]
     weight: int
     decision: Decision
+    refund_ids: list[str] = field(default_factory=list)
+    given_back: bool = False
+
+    @property
+    def refund(self) -> bool:
+        return bool(self.refund_ids)
 
     @property
     def refundable(self) -> bool:
         """Admitted and really charged (a degraded admission charged nothing)."""
-        return self.decision.allowed and not self.decision.degraded
+        return self.decision.allowed and not self.decision.degraded and not self.given_back
 
 
 @dataclass(slots=True)
@@ -271,11 +282,15 @@ class Verdict:
     headers: list[tuple[str, str]]
     status: int = 200
     body: bytes = b""
-    refund: bool = False
 
     @property
     def refused(self) -> bool:
         return self.status != 200
+
+    @property
+    def refund(self) -> bool:
+        """Some charge is to be given back when the request fails (``refund_on_error``)."""
+        return any(charge.refund for charge in self.charges)
 
     @property
     def refundable(self) -> bool:
@@ -287,12 +302,14 @@ class Verdict:
                 return charge.decision
         return None
 
-    async def give_back(self) -> None:
-        """Refunds every real charge (once: they are dropped)."""
-        charges, self.charges = self.charges, []
-        for charge in charges:
-            if charge.refundable:
-                await refund_quietly(charge.limiter, charge.ids, charge.weight)
+    async def give_back(self, *, on_error: bool = False) -> None:
+        """Refunds the real charges not given back yet: all of them (a later refusal), or with
+        ``on_error`` those whose layers asked for ``refund_on_error`` (the request failed)."""
+        for charge in self.charges:
+            if charge.refundable and (charge.refund or not on_error):
+                charge.given_back = True
+                ids = charge.refund_ids if on_error else charge.ids
+                await refund_quietly(charge.limiter, ids, charge.weight)
 
 
 def merged_headers(charges: Sequence[Charge], *, legacy: bool) -> list[tuple[str, str]]:
@@ -317,13 +334,15 @@ async def judge(layers: Sequence[Layer], request: Any, *, legacy: bool) -> Verdi
     """
     if len(layers) == 1:
         return await _judge_one(layers[0], request, legacy=legacy)
-    groups: dict[int, tuple[Limiter, dict[str, None]]] = {}
+    groups: dict[int, tuple[Limiter, dict[str, None], dict[str, None]]] = {}
     for layer in layers:
         ids = await layer.rule.identifiers(request, functools.partial(layer.client_ip, request))
         if ids:
             limiter = layer.rule.limiter
-            group = groups.setdefault(id(limiter), (limiter, {}))[1]
+            _, group, refund = groups.setdefault(id(limiter), (limiter, {}, {}))
             group.update(dict.fromkeys(ids))
+            if layer.refund:
+                refund.update(dict.fromkeys(ids))
     if not groups:
         return None
     given = [layer for layer in layers if layer.weight_given]
@@ -331,9 +350,8 @@ async def judge(layers: Sequence[Layer], request: Any, *, legacy: bool) -> Verdi
         weight = max([await layer.rule.weight_of(request) for layer in given])
     else:
         weight = await layers[0].rule.weight_of(request)
-    refund = any(layer.refund for layer in layers)
-    verdict = Verdict([], None, [], refund=refund)
-    for limiter, group in groups.values():
+    verdict = Verdict([], None, [])
+    for limiter, group, refund in groups.values():
         ids = list(group)
         try:
             decision = await limiter.try_acquire(ids, weight)
@@ -347,7 +365,7 @@ async def judge(layers: Sequence[Layer], request: Any, *, legacy: bool) -> Verdi
         if not decision.allowed:
             await verdict.give_back()
             return refusal(decision, legacy=legacy)
-        verdict.charges.append(Charge(limiter, ids, weight, decision))
+        verdict.charges.append(Charge(limiter, ids, weight, decision, list(refund)))
     charges = verdict.charges
     verdict.decision = (
         charges[0].decision
@@ -374,10 +392,9 @@ async def _judge_one(layer: Layer, request: Any, *, legacy: bool) -> Verdict | N
     if not decision.allowed:
         return refusal(decision, legacy=legacy)
     return Verdict(
-        [Charge(limiter, ids, weight, decision)],
+        [Charge(limiter, ids, weight, decision, ids if layer.refund else [])],
         decision,
         rate_limit_headers(decision, legacy=legacy),
-        refund=layer.refund,
     )
 
 
@@ -401,13 +418,14 @@ class RequestLimits:
     """What the first layer to judge a request leaves for the others (in the ASGI scope or
     the aiohttp request): the layers it judged, what it charged, and a refusal by a later one.
 
-    A layer it judged does nothing more. A layer it did not see (another limiter's
-    dependency it could not find) judges on its own: if it refuses, it gives back what this
-    request was charged and records the refusal, and the outer layer passes the refusal's
-    response as it is; if it admits, its decision joins the response's headers.
+    A layer it judged does nothing more. A layer it did not see (a second middleware, or a
+    dependency it could not find) judges on its own through ``add``: if it refuses, it gives
+    back what this request was charged and records the refusal, and the outer layer passes the
+    refusal's response as it is; if it admits, its charges join the request's (one set of
+    headers, given back once).
     """
 
-    __slots__ = ("added", "included", "legacy", "refused", "verdict")
+    __slots__ = ("added", "included", "legacy", "missed", "refused", "verdict")
 
     def __init__(self, included: Sequence[object], legacy: bool) -> None:
         self.included = {id(layer): layer for layer in included} if included else {}
@@ -415,9 +433,15 @@ class RequestLimits:
         self.verdict: Verdict | None = None
         self.refused: Verdict | None = None
         self.added = False  # a later layer added charges: the headers are merged again
+        #: Called when a layer was not seen by the first one (its route index is stale).
+        self.missed: Callable[[], None] | None = None
 
     def judged(self, marker: object) -> bool:
         return id(marker) in self.included
+
+    def include(self, markers: Sequence[object]) -> None:
+        for marker in markers:
+            self.included[id(marker)] = marker
 
     def headers(self) -> list[tuple[str, str]]:
         if self.refused is not None or self.verdict is None:
@@ -439,6 +463,5 @@ class RequestLimits:
             self.verdict = verdict
         else:
             self.verdict.charges += verdict.charges
-            self.verdict.refund = self.verdict.refund or verdict.refund
             self.added = True
         return verdict
