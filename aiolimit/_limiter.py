@@ -380,7 +380,6 @@ class Limiter:
         if not shadowed or not refusing or any(p.identifier not in shadowed for p in refusing):
             return decision
         counts = self._counts
-        counts["shadow_refusals"] += 1
         enforced = [plan for plan in plans if not plan.shadow]
         # The refusal was counted as one; this request is decided again without the shadows.
         counts["decisions"] -= 1
@@ -391,6 +390,9 @@ class Limiter:
             counts["decisions"] += 1
             counts["allowed"] += 1
             again = Decision(True, 0, 0.0, 0.0, None, None, ())
+        if not again.allowed:
+            return again  # the enforced rules refuse it too: as if the shadows were not there
+        counts["shadow_refusals"] += 1
         _log_shadow(self, refusing)
         return dataclasses.replace(again, shadow_refusals=refusing)
 

@@ -410,6 +410,9 @@ def _place(
         raise RulesError(where, f"an identifier is non-empty text, got {identifier!r}")
     kind, sep, value = identifier.partition(":")
     network = _network(value) if sep and "/" in value else None
+    address, slash, bits = value.partition("/")
+    if network is None and slash and bits.isdigit() and _address(address) is not None:
+        raise RulesError(where, f"{identifier!r} is not a valid network (address/prefix length)")
     if network is not None and _is_exact_block(value, network):
         network = None  # "ip:2001:db8:1:2::/64" is how the web layer names a /64 client
     previous = exact.get(identifier) if network is None else None

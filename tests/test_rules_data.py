@@ -5,6 +5,7 @@ The format tests are pure; the decisions run against a real Redis server.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -99,6 +100,13 @@ def test_toml_and_json_read_to_the_same_rules() -> None:
         ('{"kinds": {"ip": "1/s"},\n "deny": [1]}', "json", "deny[0]", "non-empty text"),
         ('{"kinds": {"ip": "1/s"},\n "deny": [}', "json", "line 2", "not valid JSON"),
         ("[kinds\nip = 1", "toml", "", "line 1"),
+        ('kinds = {ip = "1/s"}\ndeny = ["ip:10.0.0.0/33"]', "toml", "deny[0]", "valid network"),
+        (
+            'kinds = {ip = "1/s"}\n[overrides]\n"ip:::1/200" = { exempt = true }',
+            "toml",
+            'overrides."ip:::1/200"',
+            "valid network",
+        ),
     ],
 )
 def test_errors_name_the_key_at_fault(text: str, fmt: str, where: str, says: str) -> None:
@@ -201,3 +209,20 @@ async def test_set_rules_applies_to_new_decisions_and_keeps_route_kinds(
         limiter.set_rules(None)  # back to the rules it was made with
         assert limiter.limits["user"] == (Limit(1, per=3600),)
         assert limiter.rules.kinds["user"] == (Limit(1, per=3600),)
+
+
+async def test_shadow_rules_under_concurrency_never_over_admit(redis_url: str, prefix: str) -> None:
+    rules = RuleSet.from_mapping(
+        {"kinds": {"user": "10/hour", "beta": {"limits": "1/hour", "shadow": True}}}
+    )
+    async with Limiter(redis_url, rules, prefix=prefix) as limiter:
+        decisions = await asyncio.gather(
+            *[limiter.try_acquire(["beta:1", "user:1"]) for _ in range(50)]
+        )
+        assert sum(d.allowed for d in decisions) == 10  # the enforced limit, exactly
+        assert (await limiter.peek("user:1")).remaining == 0
+        # Counted only for requests admitted because the shadow rule could not refuse them.
+        admitted_over_shadow = sum(bool(d.shadow_refusals) for d in decisions)
+        assert admitted_over_shadow == 9
+        assert limiter.statistics().shadow_refusals == 9
+        assert all(not d.shadow_refusals for d in decisions if not d.allowed)
