@@ -165,13 +165,6 @@ async def publish(store: Store, prefix: str, ruleset: RuleSet, *, expect: str = 
     return bool(int(done))
 
 
-async def withdraw(store: Store, prefix: str) -> None:
-    """Deletes the document and its overrides: followers go back to their own rules."""
-    keys = rules_keys(prefix)
-    await store.command("DEL", keys.doc, keys.overrides)
-    await store.command("PUBLISH", keys.channel, "")
-
-
 @dataclass(slots=True)
 class FollowerStatistics:
     version: str | None = None
@@ -327,12 +320,6 @@ class RulesFollower:
             elif identifier_kind(identifier) in kinds and identifier not in wanted:
                 wanted.append(identifier)
         return wanted
-
-    async def prefetch(self, ids: Iterable[str]) -> None:
-        """Looks up the call's identifiers of kinds with overrides that are not cached."""
-        wanted = self.missing(ids)
-        if wanted:
-            await self.fetch(wanted)
 
     async def fetch(self, wanted: list[str]) -> None:
         """Looks ``wanted`` up in the overrides hash (one HMGET) and caches the answers."""

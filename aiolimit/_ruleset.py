@@ -251,9 +251,6 @@ class RuleSet:
                 return override
         return None
 
-    def to_json(self, *, indent: int | None = 2) -> str:
-        return json.dumps(json.loads(self.document), indent=indent, sort_keys=True)
-
 
 # -- limits ----------------------------------------------------------------------------------
 
