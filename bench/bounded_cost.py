@@ -19,6 +19,8 @@ Scenarios (time comes from a ManualClock, so windows fill deterministically):
 - ``log-1e4``: SlidingLog(10**4 per hour) filled by 10**4 calls of weight 1, 1 ms apart; then
   refusals (retry_after is searched), admissions while entries leave, a refund of 10**4, and
   the first call after the whole log expired.
+- ``log-undo``: SlidingLog(10**6 per hour): an op charged, 30,000 charges after it, then that
+  op's undo (a late one, as after an outage), then calls while the log settles.
 - ``window-3600``: Limit(3600 per hour, precision 1 s), one call per bucket until full; then
   admissions while buckets leave, refusals, refunds (newest first) and weight-0 peeks.
 - ``window-40000``: the same with 40,000 buckets (precision 0.09 s), when the limit allows it.
@@ -39,6 +41,8 @@ from typing import Any, TypeVar
 import redis.asyncio as redis
 
 from aiolimit import ConfigurationError, Limit, Limiter, SlidingLog
+from aiolimit._calls import Call, Mode
+from aiolimit._keys import aux_key, main_key
 from aiolimit.testing import ManualClock
 
 START = 1_700_000_000.0
@@ -90,7 +94,7 @@ class Recorder:
 
 def _is_script(entry: Any) -> bool:
     args = entry[3]
-    return bool(args) and bytes(args[0]).upper() in (b"EVALSHA", b"EVAL")
+    return bool(args) and bytes(args[0]).upper() in (b"FCALL", b"EVALSHA", b"EVAL")
 
 
 Scenario = Callable[[Recorder, str], Awaitable[None]]
@@ -141,6 +145,34 @@ async def log_1e4(rec: Recorder, store: str) -> None:
             await rec.call(limiter.try_acquire("ip:1"))
 
 
+async def log_undo(rec: Recorder, store: str) -> None:
+    clock = ManualClock(start=START)
+    limit = SlidingLog(10**6, per=3600)
+    prefix = f"bench-cost-{uuid.uuid4().hex[:8]}"
+    async with _limiter(store, [limit], clock, prefix) as limiter:
+        keys = [main_key(prefix, "ip:1"), aux_key(prefix, "ip:1", limit.aux_suffix)]
+        block = ",".join(map(str, (2, 1, 2, *limit.wire)))
+
+        async def raw(mode: str, op: str) -> None:
+            now = round(clock.time() * 1_000_000)
+            argv = [mode, now, 1, 600_000, op, "", 1, block]
+            (reply,) = await limiter.store.run([Call(Mode(mode), keys, argv, ())])
+            assert not isinstance(reply, BaseException), reply
+
+        await raw("acquire", "bench:1:")
+        async with rec.phase("log-undo", "30,000 charges after the op"):
+            for _ in range(30_000):
+                clock.advance(0.001)
+                await rec.call(limiter.try_acquire("ip:1"))
+        async with rec.phase("log-undo", "the op's undo (30,000 entries after it)"):
+            await rec.call(raw("undo", "bench:1:"))
+        async with rec.phase("log-undo", "charges and refunds after it"):
+            for _ in range(100):
+                clock.advance(0.001)
+                await rec.call(limiter.try_acquire("ip:1"))
+                await rec.call(limiter.refund("ip:1"))
+
+
 async def _window(rec: Recorder, store: str, name: str, buckets: int, per: float) -> None:
     clock = ManualClock(start=START)
     precision = per / buckets
@@ -182,14 +214,17 @@ async def window_40000(rec: Recorder, store: str) -> None:
 SCENARIOS: dict[str, Scenario] = {
     "log-1e6": log_1e6,
     "log-1e4": log_1e4,
+    "log-undo": log_undo,
     "window-3600": window_3600,
     "window-40000": window_40000,
 }
 
 
 @asynccontextmanager
-async def _limiter(store: str, limits: list[Any], clock: ManualClock) -> AsyncIterator[Limiter]:
-    prefix = f"bench-cost-{uuid.uuid4().hex[:8]}"
+async def _limiter(
+    store: str, limits: list[Any], clock: ManualClock, prefix: str | None = None
+) -> AsyncIterator[Limiter]:
+    prefix = prefix or f"bench-cost-{uuid.uuid4().hex[:8]}"
     async with Limiter(
         store, limits, prefix=prefix, clock=clock, deadline=None, socket_timeout=300
     ) as limiter:
