@@ -57,8 +57,10 @@ class SlidingLog(BaseLimit):
     """At most ``amount`` in any ``per`` seconds, exactly: every admitted request is logged.
 
     An admitted request is one ZSET entry whatever its weight, holding the running total, so
-    memory per identifier is at most ``amount`` entries and every call costs O(log n); entries
-    older than ``per`` are dropped as calls come. The most exact algorithm, and the most
+    at most ``amount`` entries per identifier hold counted units and every call costs
+    O(log n), late undos and large refunds included (what they credit is kept as ranges of
+    unit numbers; the entries they empty are deleted at most 128 per call); entries older
+    than ``per`` are dropped as calls come. The most exact algorithm, and the most
     memory: prefer ``Limit`` with a fine precision for large amounts.
     """
 

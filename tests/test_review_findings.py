@@ -362,17 +362,11 @@ async def test_resent_refund_gives_back_twice_when_first_identifiers_key_expired
     assert stored == 2, f"user:1 stores {stored} after 3 charged and 1 refunded"
 
 
-# --- 8. a late undo on a sliding log rewrites every entry charged since: O(history) -------------
+# --- 8. a late undo on a sliding log rewrote every entry charged since: O(history) --------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limit (issue 9 follow-up): a sliding-log undo rewrites the entries charged "
-    "after its op, so an undo that lands after a long outage costs in proportion to the "
-    "charges made meanwhile",
-)
 @pytest.mark.slow
-async def test_late_sliding_log_undo_costs_in_proportion_to_later_charges(
+async def test_a_late_sliding_log_undo_costs_the_same_whatever_was_charged_since(
     fresh_standalone: object, prefix: str
 ) -> None:
     """sliding_log.lua's undo "lowers c of the k entries charged after it ... the limiter
@@ -381,8 +375,9 @@ async def test_late_sliding_log_undo_costs_in_proportion_to_later_charges(
     processes keep charging meanwhile. Here client A's reply is lost and A is cut off while
     client B makes 30,000 admitted charges; when A's network heals, its single undo call
     reads, ZREMs and re-ZADDs all 30,000 entries in one script run (Redis blocked for all).
-    Observed: one EVALSHA of tens of ms (grows linearly: ~300 k entries after a 5-minute
-    outage at 1,000 req/s)."""
+    Observed before the fix: one EVALSHA of tens of ms (grows linearly: ~300 k entries after a
+    5-minute outage at 1,000 req/s). Past REWRITE later entries the undo now voids the
+    numbers it credits instead: every call stays under 1 ms and the count stays exact."""
     from aiolimit import SlidingLog
 
     url = fresh_standalone.url  # type: ignore[attr-defined]
@@ -411,7 +406,7 @@ async def test_late_sliding_log_undo_costs_in_proportion_to_later_charges(
         for _ in range(300):
             outcomes = await asyncio.gather(*[b.try_acquire("key:1") for _ in range(100)])
             assert all(map(told_admitted, outcomes))
-        await redis.config_set("slowlog-log-slower-than", 5000)
+        await redis.config_set("slowlog-log-slower-than", 1000)
         await redis.slowlog_reset()
         proxy.on_reply = None
         proxy.heal()
@@ -424,4 +419,4 @@ async def test_late_sliding_log_undo_costs_in_proportion_to_later_charges(
         await proxy.aclose()
     assert stored == 30_000
     worst = max((entry["duration"] for entry in slow), default=0)
-    assert worst < 5000, f"one script call ran {worst} us ({len(slow)} calls over 5 ms)"
+    assert worst < 1000, f"one script call ran {worst} us ({len(slow)} calls over 1 ms)"

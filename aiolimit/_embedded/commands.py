@@ -119,6 +119,7 @@ COMMANDS.update(
     {
         b"time": (_time, 1),
         b"del": (_del, -2),
+        b"unlink": (_del, -2),  # nothing runs in the background here: DEL's effect
         b"pexpire": (_pexpire, -3),
         b"pttl": (lambda ks, args: ks.pttl(args[1]), 2),
         b"get": (lambda ks, args: ks.get_string(args[1]), 2),
