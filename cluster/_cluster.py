@@ -188,9 +188,11 @@ class Cluster:
         return moved
 
     def flush_scripts(self) -> None:
-        """SCRIPT FLUSH on every live primary (replicas never hold loaded scripts)."""
+        """SCRIPT FLUSH and FUNCTION FLUSH on every live primary: a client's loaded code is
+        gone (replicas never hold loaded scripts; they follow their primary's functions)."""
         for node in self.primaries():
             node.client.script_flush()
+            node.client.function_flush()
 
     def flushall(self) -> None:
         """FLUSHALL on every live primary; replicas follow through replication."""

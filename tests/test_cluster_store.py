@@ -213,8 +213,9 @@ async def test_concurrent_decisions_share_pipelines_and_admit_exactly(
 async def test_lost_script_on_one_primary_resends_only_its_calls(
     limiter: Limiter, raw: RedisCluster, any_cluster: cluster.Cluster, prefix: str
 ) -> None:
-    """SCRIPT FLUSH on one primary: in a tick shared by every primary, only the calls routed
-    to that primary are resent (as EVAL); each decision is admitted and charged once."""
+    """SCRIPT FLUSH and FUNCTION FLUSH on one primary: in a tick shared by every primary, only
+    the calls routed to that primary are resent (as EVAL); each is admitted and charged once,
+    and the next decisions there are FCALLs again (the library was loaded back)."""
     ids = two_per_primary(any_cluster, prefix)
     victim = any_cluster.node_for_slot(key_slot(main_key(prefix, ids[0]).encode()))
     on_victim = [ident for ident in ids if owners(any_cluster, prefix, [ident])[0] == victim.port]
@@ -224,14 +225,18 @@ async def test_lost_script_on_one_primary_resends_only_its_calls(
     warm = await asyncio.gather(*(limiter.try_acquire(i, 1) for i in ids))
     assert all(decision.allowed for decision in warm)
     victim.client.script_flush()
+    victim.client.function_flush()
     before = store.statistics()
     decisions = await asyncio.gather(*(limiter.try_acquire(i, 1) for i in ids))
     after = store.statistics()
     assert all(decision.allowed for decision in decisions)
     assert after.noscript - before.noscript == len(on_victim)
     assert after.retries == before.retries
+    again = await asyncio.gather(*(limiter.try_acquire(i, 1) for i in ids))
+    assert all(decision.allowed for decision in again)
+    assert store.statistics().noscript == after.noscript
     for fields in (await snapshot(raw, prefix, ids)).values():
-        assert [charged(fields, limit) for limit in LIMITS] == [2, 2]
+        assert [charged(fields, limit) for limit in LIMITS] == [3, 3]
 
 
 async def test_a_client_passed_in_is_used_and_left_open(
@@ -251,7 +256,8 @@ async def test_a_client_passed_in_is_used_and_left_open(
 async def test_lost_scripts_are_reloaded_without_double_charge(
     limiter: Limiter, raw: RedisCluster, any_cluster: cluster.Cluster, prefix: str
 ) -> None:
-    """After SCRIPT FLUSH on every primary, decisions still succeed and charge once."""
+    """After SCRIPT FLUSH and FUNCTION FLUSH on every primary, decisions still succeed and
+    charge once."""
     ids = on_distinct_primaries(any_cluster, prefix, 3)
     assert (await limiter.try_acquire(ids, 1)).allowed
     any_cluster.flush_scripts()
