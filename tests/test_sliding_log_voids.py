@@ -4,8 +4,8 @@ sliding_log.lua credits a late undo (one with more than REWRITE entries charged 
 refund that reaches past CUT entries by recording the credited unit numbers as a void instead
 of rewriting or deleting every entry at once; voided entries are deleted a bounded number per
 call. These tests drive the script directly (op ids, undo, refund, peek at chosen times) and
-compare every answer with the reference model (tests/reference.py), on Redis, Valkey and
-memory://, then bound what one call costs on a real server.
+compare every answer with the reference model (tests/reference.py), on Redis, Valkey,
+memory:// and the cluster, then bound what one call costs on a real server.
 """
 
 from __future__ import annotations
@@ -124,6 +124,16 @@ async def test_voids_agree_with_the_reference_model(store_url: str, prefix: str,
     async with Limiter(store_url, [limit], prefix=prefix) as limiter:
         big = await run_program(Script(limiter, prefix, limit), seed, 1_200)
     assert big >= 10, f"only {big} undos/refunds took the void path: the test lost its point"
+
+
+async def test_voids_agree_with_the_reference_model_on_the_cluster(
+    redis_cluster_url: str, prefix: str
+) -> None:
+    """The same program through the cluster store (EVALSHA or FCALL on the slot's primary)."""
+    limit = SlidingLog(300, per=3)
+    async with Limiter(redis_cluster_url, [limit], prefix=prefix) as limiter:
+        big = await run_program(Script(limiter, prefix, limit), 3, 800)
+    assert big >= 5, f"only {big} undos/refunds took the void path: the test lost its point"
 
 
 async def _entries(url: str, prefix: str, limit: Any) -> int:
