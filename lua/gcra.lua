@@ -3,32 +3,46 @@
 -- Pair parameters: amount = burst B (the bucket's capacity, integer >= 1), period = P
 -- (integer µs), param = rate R (integer >= 1): R units refill every P µs, one unit every
 -- T = P / R µs. No aux key.
--- State: one theoretical arrival time TAT = tat + frac / R µs, kept as an exact rational so
--- fractional refill never drifts over long runs; main HASH field "g<P>/<R>/<B>" = "<tat>:<frac>"
--- with 0 <= frac < R. The bucket is full when TAT <= now.
--- A request of weight w is admitted when max(TAT, now) + w*T - now <= B*T. All comparisons are
--- made on values scaled by R (integers); the client keeps (B + w) * P below 2^53.
+-- Virtual scheduling: every admitted unit holds a slot of length T on a virtual timeline; a
+-- request of weight w charged at `now` takes [vs, vend), vs >= now, vend = vs + w*T, and is
+-- admitted at max(now, vend - B*T). While slots never overlap, each starts at or after its
+-- charge and none is admitted before vend - B*T, any interval [a, b] admits at most
+-- (b - a)/T + B units: the slots of the units admitted in it lie within [a, b + B*T].
+-- State: main HASH field "g<P>/<R>/<B>" = "<tat>:<frac>[;<item>...]". TAT = tat + frac/R µs,
+-- an exact rational (0 <= frac < R), ends the last slot; the bucket is full when TAT <= now.
+-- A request of weight w is admitted when max(TAT, now) + w*T - now <= B*T. All arithmetic is
+-- on times as offsets from now scaled by R (integers); the client keeps (B + w) * P below 2^53.
 -- Reserving (decide.lua's max wait W > 0): a request that would be admitted within W µs is
 -- charged now and admitted after a delay, reported as retry_after on an allowed pair: waiters
 -- queue in arrival order instead of retrying together.
--- A reservation also stores its TAT as a floor (";<tat>:<frac>:<op id>" after the state, kept
--- while it is in the future): a refund never moves the TAT below it, else a newcomer could
--- be given a turn the reserved waiter already holds (two through at one instant). Only the
--- undo of that very reservation (its op id) lowers the floor, by what it charged.
+-- Items (none in the common case; each time written as "<tat>:<frac>"):
+--   r<vend>:<w>:<op>   a recorded turn: a reservation, or a request that took a hole (at most
+--                      TURNS, kept while its slot lies ahead). The latest turn's vend is a
+--                      floor: a refund never moves TAT below it, else a newcomer could share
+--                      a turn a waiter holds.
+--   h<start>:<end>     a hole: a free span below TAT, left by an undone turn (at most HOLES,
+--                      kept while it ends ahead). A request takes the earliest hole it fits
+--                      in, from max(start, now); a hole's capacity that time passes is gone,
+--                      as a full bucket's is.
+--   p<µs>:<end>        the plain block: when a first turn is queued, the slots between now and
+--                      it belong to requests admitted at once, charged before <µs>.
+-- Undoing an op (`at` and `op` given): a recorded turn frees its own slot (a hole, or the tail
+-- when it is the last); an op charged before the plain block's time frees w*T at the block's
+-- top (the other plain slots can be thought of as moved toward now: each still starts after
+-- its charge and is admitted no earlier, so the bound above holds); any other op gives back
+-- from the tail as a refund does. So a failed reservation credits what it charged even with
+-- other waiters queued behind it, and a newcomer may take its turn.
 
 -- Built on first use in a call (see prelude.lua's algorithm()).
 FACTORIES.gcra = function()
+  local TURNS, HOLES = 16, 16
+
   -- Exact floor(a / b) for integers held in doubles (the quotient may round across an integer).
   local function idiv(a, b)
     local q = math.floor(a / b)
     local r = a - q * b
     if r < 0 then q = q - 1 elseif r >= b then q = q + 1 end
     return q, a - q * b
-  end
-
-  local function gcra_shift(pair, tat, frac, units)
-    local whole, rest = idiv(frac + units * pair.period, pair.param)
-    return tat + whole, rest
   end
 
   -- Microseconds (rounded up) for a span given scaled by R.
@@ -39,73 +53,229 @@ FACTORIES.gcra = function()
     return q
   end
 
-  -- The state: TAT, and the floor a refund may not cross (nil when none is pending).
-  local function gcra_state(s, pair, now)
-    local name = 'g' .. pair.period_s .. '/' .. pair.param_s .. '/' .. fmt(pair.amount)
-    local tat, frac, floor = now, 0, nil
-    local raw = s.fields[name]
-    if raw then
-      local a, b, rest = string.match(raw, '^(%-?%d+):(%d+)(.*)$')
-      local t, f = tonumber(a), tonumber(b)
-      if t and (t > now or (t == now and f > 0)) then tat, frac = t, f end
-      local ft, ff, fop = string.match(rest or '', '^;(%-?%d+):(%d+):([^;]*)$')
-      ft, ff = tonumber(ft), tonumber(ff)
-      if ft and (ft > now or (ft == now and ff > 0)) then floor = {ft, ff, fop} end
-    end
-    return name, tat, frac, floor
+  local function offset(pair, now, t, f)
+    return (tonumber(t) - now) * pair.param + tonumber(f)
   end
 
-  local function gcra_store(s, pair, now, name, tat, frac, floor)
-    local value = fmt(tat) .. ':' .. fmt(frac)
-    if floor then
-      value = value .. ';' .. fmt(floor[1]) .. ':' .. fmt(floor[2]) .. ':' .. floor[3]
+  local function time_text(pair, now, x)
+    local q, r = idiv(x, pair.param)
+    return fmt(now + q) .. ':' .. fmt(r)
+  end
+
+  -- The state as offsets from now scaled by R: tat (>= 0), turns, holes (ascending, disjoint),
+  -- block; what lies behind now is dropped.
+  local function gcra_state(s, pair, now)
+    local st = {name = 'g' .. pair.period_s .. '/' .. pair.param_s .. '/' .. fmt(pair.amount),
+                tat = 0, turns = {}, holes = {}}
+    local raw = s.fields[st.name]
+    if not raw then return st end
+    local a, b, rest = string.match(raw, '^(%-?%d+):(%d+)(.*)$')
+    if not a then return st end
+    local x = offset(pair, now, a, b)
+    if x > 0 then st.tat = x end
+    if rest == '' then return st end
+    for item in string.gmatch(rest, ';([^;]+)') do
+      local kind = string.sub(item, 1, 1)
+      if kind == 'r' then
+        local t, f, w, op = string.match(item, '^r(%-?%d+):(%d+):(%d+):(.*)$')
+        local v = offset(pair, now, t, f)
+        if v > 0 then st.turns[#st.turns + 1] = {v = v, w = tonumber(w), op = op} end
+      elseif kind == 'h' then
+        local t1, f1, t2, f2 = string.match(item, '^h(%-?%d+):(%d+):(%-?%d+):(%d+)$')
+        local e = offset(pair, now, t2, f2)
+        if e > 0 then st.holes[#st.holes + 1] = {s = offset(pair, now, t1, f1), e = e} end
+      elseif kind == 'p' then
+        local since, t, f = string.match(item, '^p(%-?%d+):(%-?%d+):(%d+)$')
+        local e = offset(pair, now, t, f)
+        if e > 0 then st.block = {since = tonumber(since), e = e} end
+      else  -- an older version's floor: "<tat>:<frac>:<op>", the latest reservation's TAT
+        local t, f, op = string.match(item, '^(%-?%d+):(%d+):(.*)$')
+        local v = t and offset(pair, now, t, f) or 0
+        if v > 0 then st.turns[#st.turns + 1] = {v = v, w = 0, op = op} end
+      end
     end
-    stage_set(s, name, value)
-    want_ttl(s, math.ceil(gcra_us(pair, (tat - now) * pair.param + frac) / 1000) + 1)
+    return st
+  end
+
+  local function gcra_store(s, pair, now, st)
+    while #st.turns > TURNS do  -- the earliest goes (the floor, the latest, stays)
+      local low = 1
+      for i, turn in ipairs(st.turns) do
+        if turn.v < st.turns[low].v then low = i end
+      end
+      table.remove(st.turns, low)
+    end
+    while #st.holes > HOLES do table.remove(st.holes, 1) end  -- its capacity is lost
+    local parts = {time_text(pair, now, st.tat)}
+    for _, turn in ipairs(st.turns) do
+      parts[#parts + 1] = 'r' .. time_text(pair, now, turn.v) .. ':' .. fmt(turn.w) .. ':'
+                          .. turn.op
+    end
+    for _, hole in ipairs(st.holes) do
+      parts[#parts + 1] = 'h' .. time_text(pair, now, hole.s) .. ':'
+                          .. time_text(pair, now, hole.e)
+    end
+    if st.block and st.block.e > 0 then
+      parts[#parts + 1] = 'p' .. fmt(st.block.since) .. ':' .. time_text(pair, now, st.block.e)
+    end
+    stage_set(s, st.name, table.concat(parts, ';'))
+    want_ttl(s, math.ceil(gcra_us(pair, st.tat) / 1000) + 1)
+  end
+
+  -- The earliest hole a request of `need` (scaled) fits in, admitted within `wait` µs (0: at
+  -- once): its index, and the slot's start and end.
+  local function hole_for(pair, st, need, wait)
+    local capacity = pair.amount * pair.period
+    for i, hole in ipairs(st.holes) do
+      local vs = hole.s
+      if vs < 0 then vs = 0 end
+      local vend = vs + need
+      if vend <= hole.e then
+        if vend <= capacity or (wait > 0 and gcra_us(pair, vend - capacity) <= wait) then
+          return i, vs, vend
+        end
+        return nil  -- a later hole would admit later still
+      end
+    end
+    return nil
+  end
+
+  -- Once TAT is lowered, holes that reach it are free tail: TAT drops to their start.
+  local function absorb(st)
+    while true do
+      local hole = st.holes[#st.holes]
+      if not hole or hole.e < st.tat then break end
+      st.tat = hole.s > 0 and hole.s or 0
+      table.remove(st.holes)
+    end
+    if st.block and st.block.e > st.tat then st.block.e = st.tat end
+  end
+
+  -- [lo, hi) is free again: the tail (TAT lowered), else a hole, merged with its neighbours.
+  local function free(st, lo, hi)
+    if lo < 0 then lo = 0 end
+    if lo >= hi then return end
+    if hi >= st.tat then
+      if lo < st.tat then st.tat = lo end
+      absorb(st)
+      return
+    end
+    local i = 1
+    while st.holes[i] and st.holes[i].e < lo do i = i + 1 end
+    table.insert(st.holes, i, {s = lo, e = hi})
+    local h = st.holes[i]
+    local nxt = st.holes[i + 1]
+    if nxt and nxt.s <= h.e then
+      if nxt.e > h.e then h.e = nxt.e end
+      table.remove(st.holes, i + 1)
+    end
+    local prev = st.holes[i - 1]
+    if prev and prev.e >= h.s then
+      if h.e > prev.e then prev.e = h.e end
+      table.remove(st.holes, i)
+    end
+  end
+
+  -- Gives `need` (scaled) back from the tail, past holes, never below the latest turn nor now.
+  local function give_back(st, need)
+    local floor = 0
+    for _, turn in ipairs(st.turns) do
+      if turn.v > floor then floor = turn.v end
+    end
+    absorb(st)
+    while need > 0 and st.tat > floor do
+      local hole = st.holes[#st.holes]
+      local low = floor
+      if hole and hole.e > low then low = hole.e end
+      local x = st.tat - need
+      if x < low then x = low end
+      need = need - (st.tat - x)
+      st.tat = x
+      if x ~= low or low == floor then break end
+      absorb(st)
+    end
+    if st.block and st.block.e > st.tat then st.block.e = st.tat end
   end
 
   local gcra = {
     check = function(s, pair, now, weight, max_wait)
-      local _, tat, frac = gcra_state(s, pair, now)
+      local st = gcra_state(s, pair, now)
       local capacity = pair.amount * pair.period  -- B * T, scaled by R
-      local new_tat, new_frac = gcra_shift(pair, tat, frac, weight)
-      local excess = (new_tat - now) * pair.param + new_frac
+      local held = st.tat
+      if weight > 0 and #st.holes > 0 then
+        local i, _, vend = hole_for(pair, st, weight * pair.period, max_wait)
+        if i then
+          local remaining = math.floor((capacity - held) / pair.period)
+          if remaining < 0 then remaining = 0 end
+          return true, remaining, gcra_us(pair, vend - capacity), gcra_us(pair, held)
+        end
+      end
+      local excess = held + weight * pair.period
       local delay = gcra_us(pair, excess - capacity)
       if excess <= capacity or (max_wait > 0 and delay <= max_wait) then
         local remaining = math.floor((capacity - excess) / pair.period)
         if remaining < 0 then remaining = 0 end
         return true, remaining, delay, gcra_us(pair, excess)
       end
-      local held = (tat - now) * pair.param + frac
       return false, math.floor((capacity - held) / pair.period), delay, gcra_us(pair, held)
     end,
 
     charge = function(s, pair, now, weight, op, reserving)
-      local name, tat, frac, floor = gcra_state(s, pair, now)
-      tat, frac = gcra_shift(pair, tat, frac, weight)
-      if reserving and (tat - now) * pair.param + frac > pair.amount * pair.period then
-        floor = {tat, frac, op}  -- a reserved turn: no refund may hand it out again
+      local st = gcra_state(s, pair, now)
+      local capacity = pair.amount * pair.period
+      local need = weight * pair.period
+      local i, vs, vend = nil, nil, nil
+      if #st.holes > 0 then
+        i, vs, vend = hole_for(pair, st, need, reserving and math.huge or 0)
       end
-      gcra_store(s, pair, now, name, tat, frac, floor)
+      if i then
+        local hole = table.remove(st.holes, i)
+        -- (what lay before vs is behind now: only the rest of the hole is kept)
+        if vend < hole.e then table.insert(st.holes, i, {s = vend, e = hole.e}) end
+        st.turns[#st.turns + 1] = {v = vend, w = weight, op = op}
+      else
+        local x = st.tat + need
+        if reserving and x > capacity then
+          if #st.turns == 0 and st.tat > 0 then st.block = {since = now, e = st.tat} end
+          st.turns[#st.turns + 1] = {v = x, w = weight, op = op}
+        end
+        st.tat = x
+      end
+      gcra_store(s, pair, now, st)
     end,
 
-    -- Gives `weight` back, never below now nor below the floor: while a turn is reserved the
-    -- TAT stays at or after the latest reservation's, so a newcomer queues after that turn.
-    -- Undoing (`at` given) the reservation that set the floor lowers the floor with it.
+    -- Without `at`: gives `weight` back from the tail, never below now nor below the latest
+    -- recorded turn (a newcomer queues after it). With `at` (undo of op): see the header.
     refund = function(s, pair, now, weight, at, op)
-      local name, tat, frac, floor = gcra_state(s, pair, now)
-      if tat == now and frac == 0 then return end  -- already full
-      if floor and at and op ~= '' and floor[3] == op then
-        local ft, ff = gcra_shift(pair, floor[1], floor[2], -weight)
-        floor = nil
-        if ft > now or (ft == now and ff > 0) then floor = {ft, ff, ''} end
+      local st = gcra_state(s, pair, now)
+      local need = weight * pair.period
+      if at then
+        local found = nil
+        if op and op ~= '' then
+          for k, turn in ipairs(st.turns) do
+            if turn.op == op then found = k end
+          end
+        end
+        if found then
+          local turn = table.remove(st.turns, found)
+          local span = turn.w > 0 and turn.w * pair.period or need
+          free(st, turn.v - span, turn.v)
+        elseif st.block and at <= st.block.since then
+          local top = st.block.e
+          for k = #st.holes, 1, -1 do  -- the block's top may be a hole already
+            if st.holes[k].e == top then top = st.holes[k].s end
+          end
+          local lo = top - need
+          if lo < 0 then lo = 0 end
+          st.block.e = lo
+          free(st, lo, top)
+        else
+          give_back(st, need)
+        end
+      else
+        give_back(st, need)
       end
-      tat, frac = gcra_shift(pair, tat, frac, -weight)
-      if tat < now then tat, frac = now, 0 end
-      if floor and (tat < floor[1] or (tat == floor[1] and frac < floor[2])) then
-        tat, frac = floor[1], floor[2]
-      end
-      gcra_store(s, pair, now, name, tat, frac, floor)
+      gcra_store(s, pair, now, st)
     end,
   }
 
