@@ -24,9 +24,9 @@ def command_head(*words: str) -> bytes:
     return b"".join(bulk(word.encode()) for word in words)
 
 
-#: Packed keys and identifier blocks, which repeat from call to call (bounded; cleared when
-#: full). Other arguments (op ids, times) are packed each time.
-_PACKED: dict[str | bytes, bytes] = {}
+#: Packed values that repeat from call to call: keys, identifier blocks, modes, flags and small
+#: numbers (bounded; cleared when full). Op ids and times are packed each time.
+_PACKED: dict[str | bytes | int, bytes] = {}
 _PACKED_MAX = 10_000
 
 
@@ -41,28 +41,37 @@ def _repeated(value: str | bytes) -> bytes:
     return packed
 
 
+def _packed(value: Arg) -> bytes:
+    """A value not cached yet: packed, and cached when it is one that repeats."""
+    if isinstance(value, bytes):
+        return _repeated(value)
+    if isinstance(value, str):
+        if ":" not in value:  # op ids ("<client>:<stamp>:...") are the strings that never repeat
+            return _repeated(value)
+        data = value.encode()
+    elif isinstance(value, int):
+        data = b"%d" % value
+        if 0 <= value < 4096:
+            packed = b"$%d\r\n%b\r\n" % (len(data), data)
+            if len(_PACKED) >= _PACKED_MAX:
+                _PACKED.clear()
+            _PACKED[value] = packed
+            return packed
+    else:
+        raise TypeError(f"a script argument must be str, int or bytes, not {value!r}")
+    return b"$%d\r\n%b\r\n" % (len(data), data)
+
+
 def pack_call(head: bytes, head_words: int, keys: Sequence[str], args: Sequence[Arg]) -> bytes:
     """One script call: ``head`` (``head_words`` words), the key count, the keys, the args."""
-    count = b"%d" % len(keys)
-    parts = [
-        b"*%d\r\n" % (head_words + 1 + len(keys) + len(args)),
-        head,
-        b"$%d\r\n%b\r\n" % (len(count), count),
-    ]
+    cached = _PACKED.get
+    parts = [b"*%d\r\n" % (head_words + 1 + len(keys) + len(args)), head]
     append = parts.append
+    append(cached(len(keys)) or _packed(len(keys)))
     for key in keys:
-        append(_repeated(key))
+        append(cached(key) or _repeated(key))
     for value in args:
-        if isinstance(value, bytes):
-            append(_repeated(value))
-            continue
-        if isinstance(value, str):
-            data = value.encode()
-        elif isinstance(value, int):
-            data = b"%d" % value
-        else:
-            raise TypeError(f"a script argument must be str, int or bytes, not {value!r}")
-        append(b"$%d\r\n%b\r\n" % (len(data), data))
+        append(cached(value) or _packed(value))
     return b"".join(parts)
 
 
