@@ -128,7 +128,7 @@ FACTORIES.log = function()
   -- Adds the numbers (lo, hi] (none of them voided yet) to the list, merging neighbours.
   local function void_add(list, lo, hi, dirty)
     local i = 1
-    while i <= #list and list[i].hi < lo do i = i + 1 end
+    while i <= #list and list[i].hi <= lo do i = i + 1 end
     table.insert(list, i, {lo = lo, hi = hi, dirty = dirty})
     local v = list[i]
     if i > 1 and list[i - 1].hi == v.lo then

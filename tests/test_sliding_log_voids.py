@@ -136,6 +136,37 @@ async def test_voids_agree_with_the_reference_model_on_the_cluster(
     assert big >= 5, f"only {big} undos/refunds took the void path: the test lost its point"
 
 
+async def test_a_refund_void_just_above_an_undo_void_stays_ordered(
+    store_url: str, prefix: str
+) -> None:
+    """An op undone late (void (0, 1]), then a refund of every unit above it (void (1, 201],
+    adjacent): the two must merge. Inserted out of order, the list kept a void above the
+    newest entry once the swept entries were gone, and the next charges fell inside it: a
+    peek after one more charge said 1000 left of 1000 (found by fuzzing with REWRITE = 0)."""
+    limit = SlidingLog(1000, per=3600)
+    model = Log(limit.amount, 3600 * 1_000_000)
+    async with Limiter(store_url, [limit], prefix=prefix) as limiter:
+        script = Script(limiter, prefix, limit)
+        now = T0
+        await script.call("acquire", now, 1, "u:1:")
+        for i in range(200):
+            now += 10
+            assert (await script.call("acquire", now, 1, f"m:{i + 1}:"))[0] == 1
+            model.charge(now, 1)
+        now += 10
+        await script.call("undo", now, 1, "u:1:")  # 200 entries after it: a void
+        await script.call("refund", now, 200)  # 200 entries above y = 1: a void
+        model.refund(now, 200)
+        for i in range(5):
+            now += 10
+            assert (await script.call("acquire", now, 1, f"m:{300 + i}:"))[0] == 1
+            model.charge(now, 1)
+            assert verdict(await script.call("peek", now, 1)) == expected_peek(model, now, 1)
+        await script.call("refund", now, 2)
+        model.refund(now, 2)
+        assert verdict(await script.call("peek", now, 1)) == expected_peek(model, now, 1)
+
+
 async def _entries(url: str, prefix: str, limit: Any) -> int:
     redis = Redis.from_url(url)
     try:
