@@ -18,7 +18,8 @@ from redis.asyncio import Redis
 from reference import Log, Verdict
 
 from aiolimit import Limiter, SlidingLog
-from aiolimit._calls import Call, Mode
+from aiolimit._calls import Call, Mode, decide_script
+from aiolimit._embedded.store import EmbeddedStore
 from aiolimit._keys import aux_key, main_key
 
 T0 = 1_700_000_000_000_000  # µs
@@ -165,6 +166,97 @@ async def test_a_refund_void_just_above_an_undo_void_stays_ordered(
         await script.call("refund", now, 2)
         model.refund(now, 2)
         assert verdict(await script.call("peek", now, 1)) == expected_peek(model, now, 1)
+
+
+class StressScript:
+    """The same calls, to a build of the script whose thresholds make every late undo and
+    every refund take the void path and sweep one entry a call (REWRITE = 0, CUT = 0,
+    SWEEP = 1): the void code runs on nearly every step, with small amounts. On Redis by EVAL
+    of that build, on memory:// by the embedded engine."""
+
+    def __init__(self, url: str | None, prefix: str, limit: SlidingLog) -> None:
+        source = decide_script().source
+        for name, value in (("REWRITE", 32), ("CUT", 128), ("SWEEP", 128)):
+            old = f"local {name} = {value} "
+            assert old in source, old
+            source = source.replace(old, f"local {name} = {0 if name != 'SWEEP' else 1} ")
+        self.source = source
+        self.redis = Redis.from_url(url) if url else None
+        self.engine = EmbeddedStore() if url is None else None
+        self.sha = self.engine.script_load(source) if self.engine else ""
+        self.keys = [main_key(prefix, "ip:1"), aux_key(prefix, "ip:1", limit.aux_suffix)]
+        self.block = ",".join(map(str, (2, 1, 2, *limit.wire)))
+
+    async def call(self, mode: str, now: int, weight: int, op: str = "") -> list[int]:
+        argv = [mode, now, weight, SLACK_MS, op, "", 1, self.block]
+        if self.engine is not None:
+            return list(self.engine.evalsha(self.sha, self.keys, argv))
+        assert self.redis is not None
+        reply = await self.redis.eval(self.source, len(self.keys), *self.keys, *argv)  # type: ignore[misc]
+        return list(reply)
+
+
+async def run_small_program(script: Any, model: Log, seed: int, steps: int) -> None:
+    """Charges (several at one µs, which merge into one entry), undos of ops in any order,
+    refunds of up to twice the amount, each followed by peeks compared with the model."""
+    rng = random.Random(seed)
+    now, stamp = T0, 0
+    free = [f"u{i}" for i in range(30)]
+    stamps = dict.fromkeys(free, 0)
+    pending: dict[str, tuple[int, int]] = {}
+    for step in range(steps):
+        now += rng.choice((0, 0, 1, 10, 1_000, 50_000, 300_000))
+        roll = rng.random()
+        where = f"seed {seed} step {step}"
+        if roll < 0.7 and (roll < 0.5 or free):
+            weight = rng.randint(1, model.amount)
+            if roll < 0.5:
+                stamp += 1
+                client, op = "", f"m:{stamp}:"
+            else:
+                client = free.pop(rng.randrange(len(free)))
+                stamps[client] += 1
+                op = f"{client}:{stamps[client]}:"
+            admitted = model.check(now, weight).allowed
+            assert bool((await script.call("acquire", now, weight, op))[0]) == admitted, where
+            if admitted:
+                model.charge(now, weight)
+                if client:
+                    pending[client] = (now, weight)
+            elif client:
+                free.append(client)
+        elif roll < 0.85 and pending:
+            client = rng.choice(list(pending))
+            charged_at, weight = pending.pop(client)
+            await script.call("undo", now, weight, f"{client}:{stamps[client]}:")
+            if charged_at > now - model.per:
+                for _ in range(min(weight, model.units.count(charged_at))):
+                    model.units.remove(charged_at)
+            free.append(client)
+        else:
+            weight = rng.randint(1, 2 * model.amount)
+            await script.call("refund", now, weight)
+            model.refund(now, weight)
+        for probe in (1, rng.randint(1, model.amount)):
+            got = verdict(await script.call("peek", now, probe))
+            assert got == expected_peek(model, now, probe), (where, probe)
+
+
+@pytest.mark.parametrize("backend", ["redis", "memory"])
+async def test_voids_on_every_step_agree_with_the_model(
+    redis_url: str, prefix: str, backend: str
+) -> None:
+    """12 programs of 300 steps, amounts 1 to 200, on the stress build: every answer is the
+    model's. (This found the misordered merge of adjacent voids.)"""
+    for seed in range(12):
+        amount = (1, 2, 3, 5, 40, 200)[seed % 6]
+        limit = SlidingLog(amount, per=1)
+        script = StressScript(redis_url if backend == "redis" else None, f"{prefix}-{seed}", limit)
+        try:
+            await run_small_program(script, Log(amount, 1_000_000), seed, 300)
+        finally:
+            if script.redis is not None:
+                await script.redis.aclose()
 
 
 async def _entries(url: str, prefix: str, limit: Any) -> int:
