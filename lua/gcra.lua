@@ -24,13 +24,16 @@
 --                      kept while it ends ahead). A request takes the earliest hole it fits
 --                      in, from max(start, now); a hole's capacity that time passes is gone,
 --                      as a full bucket's is.
---   p<µs>:<end>        the plain block: when a first turn is queued, the slots between now and
---                      it belong to requests admitted at once, charged before <µs>.
+--   f<end>             the end of turns no longer recorded (past TURNS): a floor as well.
+--   p<µs>:<end>        the plain block: when a first turn is queued (none is pending), the
+--                      slots between now and it belong to requests admitted at once, charged
+--                      before <µs>.
 -- Undoing an op (`at` and `op` given): a recorded turn frees its own slot (a hole, or the tail
 -- when it is the last); an op charged before the plain block's time frees w*T at the block's
 -- top (the other plain slots can be thought of as moved toward now: each still starts after
 -- its charge and is admitted no earlier, so the bound above holds); any other op gives back
--- from the tail as a refund does. So a failed reservation credits what it charged even with
+-- from the tail as a refund does. Neither credits more than the op's slot can still hold:
+-- admitted at once at `at`, it ended by at + B*T. So a failed reservation credits what it charged even with
 -- other waiters queued behind it, and a newcomer may take its turn.
 
 -- Built on first use in a call (see prelude.lua's algorithm()).
@@ -84,6 +87,10 @@ FACTORIES.gcra = function()
         local t1, f1, t2, f2 = string.match(item, '^h(%-?%d+):(%d+):(%-?%d+):(%d+)$')
         local e = offset(pair, now, t2, f2)
         if e > 0 then st.holes[#st.holes + 1] = {s = offset(pair, now, t1, f1), e = e} end
+      elseif kind == 'f' then
+        local t, f = string.match(item, '^f(%-?%d+):(%d+)$')
+        local v = offset(pair, now, t, f)
+        if v > 0 then st.floor = v end
       elseif kind == 'p' then
         local since, t, f = string.match(item, '^p(%-?%d+):(%-?%d+):(%d+)$')
         local e = offset(pair, now, t, f)
@@ -98,12 +105,15 @@ FACTORIES.gcra = function()
   end
 
   local function gcra_store(s, pair, now, st)
-    while #st.turns > TURNS do  -- the earliest goes (the floor, the latest, stays)
+    while #st.turns > TURNS do
+      -- The earliest turn can no longer be undone; its end is kept as a floor, so no refund
+      -- or undo frees what it holds.
       local low = 1
       for i, turn in ipairs(st.turns) do
         if turn.v < st.turns[low].v then low = i end
       end
-      table.remove(st.turns, low)
+      local turn = table.remove(st.turns, low)
+      if not st.floor or turn.v > st.floor then st.floor = turn.v end
     end
     while #st.holes > HOLES do table.remove(st.holes, 1) end  -- its capacity is lost
     local parts = {time_text(pair, now, st.tat)}
@@ -115,6 +125,7 @@ FACTORIES.gcra = function()
       parts[#parts + 1] = 'h' .. time_text(pair, now, hole.s) .. ':'
                           .. time_text(pair, now, hole.e)
     end
+    if st.floor then parts[#parts + 1] = 'f' .. time_text(pair, now, st.floor) end
     if st.block and st.block.e > 0 then
       parts[#parts + 1] = 'p' .. fmt(st.block.since) .. ':' .. time_text(pair, now, st.block.e)
     end
@@ -161,7 +172,7 @@ FACTORIES.gcra = function()
       return
     end
     local i = 1
-    while st.holes[i] and st.holes[i].e < lo do i = i + 1 end
+    while st.holes[i] and st.holes[i].e <= lo do i = i + 1 end  -- (one ending at lo: before)
     table.insert(st.holes, i, {s = lo, e = hi})
     local h = st.holes[i]
     local nxt = st.holes[i + 1]
@@ -178,7 +189,7 @@ FACTORIES.gcra = function()
 
   -- Gives `need` (scaled) back from the tail, past holes, never below the latest turn nor now.
   local function give_back(st, need)
-    local floor = 0
+    local floor = st.floor or 0
     for _, turn in ipairs(st.turns) do
       if turn.v > floor then floor = turn.v end
     end
@@ -236,7 +247,9 @@ FACTORIES.gcra = function()
       else
         local x = st.tat + need
         if reserving and x > capacity then
-          if #st.turns == 0 and st.tat > 0 then st.block = {since = now, e = st.tat} end
+          if #st.turns == 0 and not st.floor and st.tat > 0 then
+            st.block = {since = now, e = st.tat}
+          end
           st.turns[#st.turns + 1] = {v = x, w = weight, op = op}
         end
         st.tat = x
@@ -251,6 +264,9 @@ FACTORIES.gcra = function()
       local need = weight * pair.period
       if at then
         local found = nil
+        -- An op admitted at once held a slot ending by at + B*T: no more of it lies ahead of
+        -- now than that. (Crediting a whole old op from the tail would free a later one's.)
+        local left = (at - now) * pair.param + pair.amount * pair.period
         if op and op ~= '' then
           for k, turn in ipairs(st.turns) do
             if turn.op == op then found = k end
@@ -260,7 +276,10 @@ FACTORIES.gcra = function()
           local turn = table.remove(st.turns, found)
           local span = turn.w > 0 and turn.w * pair.period or need
           free(st, turn.v - span, turn.v)
-        elseif st.block and at <= st.block.since then
+        elseif left <= 0 then
+          return  -- its slot is behind now: nothing of it is still charged
+        elseif st.block and at < st.block.since then
+          if left < need then need = left end
           local top = st.block.e
           for k = #st.holes, 1, -1 do  -- the block's top may be a hole already
             if st.holes[k].e == top then top = st.holes[k].s end
@@ -270,7 +289,7 @@ FACTORIES.gcra = function()
           st.block.e = lo
           free(st, lo, top)
         else
-          give_back(st, need)
+          give_back(st, left < need and left or need)
         end
       else
         give_back(st, need)

@@ -16,7 +16,8 @@ import pytest
 from redis.asyncio import Redis
 
 from aiolimit import Limiter, MinInterval, TokenBucket
-from aiolimit._calls import Call, Mode
+from aiolimit._calls import Call, Mode, decide_script
+from aiolimit._embedded.store import EmbeddedStore
 from aiolimit._keys import main_key
 
 T0 = 1_700_000_000_000_000  # µs
@@ -137,6 +138,43 @@ async def test_an_undone_admission_with_a_waiter_behind_it_frees_its_capacity(
         assert await script.admitted_at(T0 + 70, "m:5:", wait_us=wait) == T0 + 4 * S
 
 
+async def test_the_undo_of_an_old_admission_credits_nothing(store_url: str, prefix: str) -> None:
+    """TokenBucket(3/s, burst 1): an op admitted at 0 s is undone at 10 s (an undo that kept
+    trying through an outage). Its slot ended at 1/3 s: nothing of it is still charged, so the
+    undo must not free the unit admitted at 10 s. It did, before and since the old single-TAT
+    code: the undo gave its weight back from the tail, and a second request went through
+    1 ms after the first (found by a stress build's fuzzing)."""
+    limit = TokenBucket(3, per=1, burst=1)
+    async with Limiter(store_url, [limit], prefix=prefix) as limiter:
+        script = Script(limiter, prefix, limit)
+        assert await script.admitted_at(T0, "old:1:") == T0
+        assert await script.admitted_at(T0 + 10 * S, "m:1:") == T0 + 10 * S
+        assert (await script.call("undo", T0 + 10 * S + 1_000, 1, "old:1:"))[1] == 0
+        assert await script.admitted_at(T0 + 10 * S + 2_000, "m:2:") is None
+
+
+async def test_turns_past_the_cap_still_hold_their_slots(store_url: str, prefix: str) -> None:
+    """MinInterval(1 s): 20 waiters queued (turns at 1..20 s; only the last 16 are recorded),
+    then those 16 are undone. The 4 waiters left keep their turns: a newcomer, and the undo
+    of an admission made before them, cannot take a slot before the 5th second. (Dropping the
+    earliest turns from the record used to forget them: the next queue's plain block then
+    covered their slots.)"""
+    limit = MinInterval(1)
+    async with Limiter(store_url, [limit], prefix=prefix) as limiter:
+        script = Script(limiter, prefix, limit)
+        wait = 60 * S
+        assert await script.admitted_at(T0, "p:1:") == T0
+        for i in range(1, 21):
+            assert await script.admitted_at(T0 + i, f"w{i}:1:", wait_us=wait) == T0 + i * S
+        for i in range(5, 21):
+            await script.call("undo", T0 + 100 + i, 1, f"w{i}:1:")
+        first = await script.admitted_at(T0 + 200, "n1:1:", wait_us=wait)
+        await script.call("undo", T0 + 300, 1, "p:1:")  # an admission from before the queue
+        second = await script.admitted_at(T0 + 400, "n2:1:", wait_us=wait)
+        assert first == T0 + 5 * S
+        assert second == T0 + 6 * S
+
+
 async def test_the_queue_bookkeeping_stays_bounded(redis_url: str, prefix: str) -> None:
     """300 reservations queued and undone in every order: the field stays a few hundred bytes
     (at most 16 turns and 16 holes), and the limit still holds afterwards."""
@@ -229,3 +267,73 @@ async def test_refunds_keep_every_queued_turn(store_url: str, prefix: str) -> No
             await script.admitted_at(T0 + 40 + i, f"n{i}:1:", wait_us=wait) for i in range(2)
         ]
         assert newcomers == [T0 + 2 * S, T0 + 5 * S]
+
+
+class StressScript:
+    """The same calls to a build of gcra.lua that records 1 turn and 1 hole (TURNS, HOLES):
+    every cap path runs all the time. On Redis by EVAL, on memory:// by the embedded engine."""
+
+    def __init__(self, url: str | None, prefix: str, limit: Any) -> None:
+        source = decide_script().source
+        old = "local TURNS, HOLES = 16, 16"
+        assert old in source
+        self.source = source.replace(old, "local TURNS, HOLES = 1, 1")
+        self.redis = Redis.from_url(url) if url else None
+        self.engine = EmbeddedStore() if url is None else None
+        self.sha = self.engine.script_load(self.source) if self.engine else ""
+        self.keys = [main_key(prefix, "ip:1")]
+        self.block = ",".join(map(str, (1, 1, 0, *limit.wire)))
+
+    async def call(
+        self, mode: str, now: int, weight: int = 1, op: str = "", wait_us: int = 0
+    ) -> list[int]:
+        argv = [mode, now, weight, SLACK_MS, op, f"r{wait_us}" if wait_us else "", 1, self.block]
+        if self.engine is not None:
+            return list(self.engine.evalsha(self.sha, self.keys, argv))
+        assert self.redis is not None
+        return list(await self.redis.eval(self.source, 1, *self.keys, *argv))  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("backend", ["redis", "memory"])
+async def test_a_stress_build_never_admits_more_than_the_rate(
+    redis_url: str, prefix: str, backend: str
+) -> None:
+    """30 random programs (burst 1-3, rate 1 or 3 per second: fractional T; weights up to the
+    burst; queued and immediate requests at the same µs or apart; undos of any op at any
+    time) on the stress build: in every interval [a, a + d] the weight admitted and not
+    undone stays within burst + d / T (times are µs, rounded up: 2 µs of slack). This found
+    the undo of an old op freeing a later one's unit, and the block covering forgotten turns."""
+    for seed in range(30):
+        rng = random.Random(seed)
+        burst, rate = rng.choice((1, 2, 3)), rng.choice((1, 3))
+        limit = TokenBucket(rate, per=1, burst=burst)
+        interval = S / rate
+        script = StressScript(redis_url if backend == "redis" else None, f"{prefix}-{seed}", limit)
+        now = T0
+        admitted: dict[int, tuple[int, int]] = {}  # stamp -> (admitted at, weight)
+        open_: list[int] = []
+        try:
+            for stamp in range(1, 301):
+                now += rng.choice((0, 1, 1_000, 50_000, 200_000, 400_000))
+                if rng.random() < 0.7 or not open_:
+                    weight, wait = rng.randint(1, burst), rng.choice((0, 2 * S, 10 * S))
+                    op = f"c:{stamp}:" + ",".join(map(str, open_))
+                    reply = await script.call("acquire", now, weight, op, wait)
+                    if reply[0] == 1:
+                        assert reply[5] <= wait, reply
+                        admitted[stamp] = (now + reply[5], weight)
+                        open_ = [*open_, stamp][-30:]
+                else:
+                    victim = open_.pop(rng.randrange(len(open_)))
+                    weight = admitted.pop(victim)[1]
+                    op = f"c:{victim}:" + ",".join(map(str, sorted([*open_, victim])))
+                    await script.call("undo", now, weight, op)
+        finally:
+            if script.redis is not None:
+                await script.redis.aclose()
+        times = sorted(admitted.values())
+        for i, (start, _) in enumerate(times):
+            total = 0
+            for at, weight in times[i:]:
+                total += weight
+                assert total <= burst + (at - start + 2) / interval, (seed, burst, rate, times)
