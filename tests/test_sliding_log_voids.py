@@ -137,6 +137,18 @@ async def test_voids_agree_with_the_reference_model_on_the_cluster(
     assert big >= 5, f"only {big} undos/refunds took the void path: the test lost its point"
 
 
+async def op_then_charges(script: Script, op: str, count: int, model: Log | None = None) -> int:
+    """Charges 1 unit as ``op`` at T0, then ``count`` more 10 µs apart; returns the time."""
+    now = T0
+    await script.call("acquire", now, 1, op)
+    for i in range(count):
+        now += 10
+        assert (await script.call("acquire", now, 1, f"m:{i + 1}:"))[0] == 1
+        if model is not None:
+            model.charge(now, 1)
+    return now
+
+
 async def test_a_refund_void_just_above_an_undo_void_stays_ordered(
     store_url: str, prefix: str
 ) -> None:
@@ -148,13 +160,7 @@ async def test_a_refund_void_just_above_an_undo_void_stays_ordered(
     model = Log(limit.amount, 3600 * 1_000_000)
     async with Limiter(store_url, [limit], prefix=prefix) as limiter:
         script = Script(limiter, prefix, limit)
-        now = T0
-        await script.call("acquire", now, 1, "u:1:")
-        for i in range(200):
-            now += 10
-            assert (await script.call("acquire", now, 1, f"m:{i + 1}:"))[0] == 1
-            model.charge(now, 1)
-        now += 10
+        now = await op_then_charges(script, "u:1:", 200, model) + 10
         await script.call("undo", now, 1, "u:1:")  # 200 entries after it: a void
         await script.call("refund", now, 200)  # 200 entries above y = 1: a void
         model.refund(now, 200)
@@ -278,11 +284,7 @@ async def test_a_refund_of_10000_entries_costs_under_a_millisecond(
     redis = Redis.from_url(redis_url)
     async with Limiter(redis_url, [limit], prefix=prefix) as limiter:
         script = Script(limiter, prefix, limit)
-        now = T0
-        await script.call("acquire", now, 1, "u1:1:")
-        for i in range(9_999):
-            now += 10
-            assert (await script.call("acquire", now, 1, f"m:{i + 1}:"))[0] == 1
+        now = await op_then_charges(script, "u1:1:", 9_999)
         assert await _entries(redis_url, prefix, limit) == 10_000
         await redis.config_set("slowlog-log-slower-than", 1000)
         await redis.slowlog_reset()
