@@ -25,16 +25,14 @@
 --                      in, from max(start, now); a hole's capacity that time passes is gone,
 --                      as a full bucket's is.
 --   f<end>             the end of turns no longer recorded (past TURNS): a floor as well.
---   p<µs>:<end>        the plain block: when a first turn is queued (none is pending), the
---                      slots between now and it belong to requests admitted at once, charged
---                      before <µs>.
--- Undoing an op (`at` and `op` given): a recorded turn frees its own slot (a hole, or the tail
--- when it is the last); an op charged before the plain block's time frees w*T at the block's
--- top (the other plain slots can be thought of as moved toward now: each still starts after
--- its charge and is admitted no earlier, so the bound above holds); any other op gives back
--- from the tail as a refund does. Neither credits more than the op's slot can still hold:
--- admitted at once at `at`, it ended by at + B*T. So a failed reservation credits what it charged even with
--- other waiters queued behind it, and a newcomer may take its turn.
+--   l<end>:<w>:<op>    the last request admitted at once, whose slot ends at <end>.
+-- Undoing an op (`at` and `op` given) frees exactly the slot it holds: a recorded turn's, or
+-- the last immediate admission's (a hole, or the tail when it is the last slot), the part
+-- still ahead of now. An op admitted at once before others were charged is not known where
+-- its slot lies, so its undo credits nothing (errs toward refusing: it stays charged until its
+-- slot passes, at most B*T). Crediting it from the tail instead, as the single-TAT code did,
+-- moves later slots before their own charge: a fuzzer found it admitting too much. A refund
+-- (no `at`) gives back from the tail, never below the last queued turn.
 
 -- Built on first use in a call (see prelude.lua's algorithm()).
 FACTORIES.gcra = function()
@@ -66,7 +64,7 @@ FACTORIES.gcra = function()
   end
 
   -- The state as offsets from now scaled by R: tat (>= 0), turns, holes (ascending, disjoint),
-  -- block; what lies behind now is dropped.
+  -- last admission; what lies behind now is dropped.
   local function gcra_state(s, pair, now)
     local st = {name = 'g' .. pair.period_s .. '/' .. pair.param_s .. '/' .. fmt(pair.amount),
                 tat = 0, turns = {}, holes = {}}
@@ -91,10 +89,11 @@ FACTORIES.gcra = function()
         local t, f = string.match(item, '^f(%-?%d+):(%d+)$')
         local v = offset(pair, now, t, f)
         if v > 0 then st.floor = v end
-      elseif kind == 'p' then
-        local since, t, f = string.match(item, '^p(%-?%d+):(%-?%d+):(%d+)$')
-        local e = offset(pair, now, t, f)
-        if e > 0 then st.block = {since = tonumber(since), e = e} end
+      elseif kind == 'l' then
+        local t, f, w, op = string.match(item, '^l(%-?%d+):(%d+):(%d+):(.*)$')
+        local v = offset(pair, now, t, f)
+        if v > 0 then st.last = {v = v, w = tonumber(w), op = op} end
+      elseif kind == 'p' then  -- (an earlier format's note, no longer used)
       else  -- an older version's floor: "<tat>:<frac>:<op>", the latest reservation's TAT
         local t, f, op = string.match(item, '^(%-?%d+):(%d+):(.*)$')
         local v = t and offset(pair, now, t, f) or 0
@@ -126,8 +125,9 @@ FACTORIES.gcra = function()
                           .. time_text(pair, now, hole.e)
     end
     if st.floor then parts[#parts + 1] = 'f' .. time_text(pair, now, st.floor) end
-    if st.block and st.block.e > 0 then
-      parts[#parts + 1] = 'p' .. fmt(st.block.since) .. ':' .. time_text(pair, now, st.block.e)
+    if st.last then
+      parts[#parts + 1] = 'l' .. time_text(pair, now, st.last.v) .. ':' .. fmt(st.last.w) .. ':'
+                          .. st.last.op
     end
     stage_set(s, st.name, table.concat(parts, ';'))
     want_ttl(s, math.ceil(gcra_us(pair, st.tat) / 1000) + 1)
@@ -159,7 +159,6 @@ FACTORIES.gcra = function()
       st.tat = hole.s > 0 and hole.s or 0
       table.remove(st.holes)
     end
-    if st.block and st.block.e > st.tat then st.block.e = st.tat end
   end
 
   -- [lo, hi) is free again: the tail (TAT lowered), else a hole, merged with its neighbours.
@@ -205,7 +204,8 @@ FACTORIES.gcra = function()
       if x ~= low or low == floor then break end
       absorb(st)
     end
-    if st.block and st.block.e > st.tat then st.block.e = st.tat end
+    -- The last admission's slot was (partly) given back: its undo may not free it again.
+    if st.last and st.last.v > st.tat then st.last = nil end
   end
 
   local gcra = {
@@ -247,10 +247,11 @@ FACTORIES.gcra = function()
       else
         local x = st.tat + need
         if reserving and x > capacity then
-          if #st.turns == 0 and not st.floor and st.tat > 0 then
-            st.block = {since = now, e = st.tat}
-          end
           st.turns[#st.turns + 1] = {v = x, w = weight, op = op}
+        elseif op ~= '' then
+          st.last = {v = x, w = weight, op = op}
+        else
+          st.last = nil
         end
         st.tat = x
       end
@@ -264,9 +265,6 @@ FACTORIES.gcra = function()
       local need = weight * pair.period
       if at then
         local found = nil
-        -- An op admitted at once held a slot ending by at + B*T: no more of it lies ahead of
-        -- now than that. (Crediting a whole old op from the tail would free a later one's.)
-        local left = (at - now) * pair.param + pair.amount * pair.period
         if op and op ~= '' then
           for k, turn in ipairs(st.turns) do
             if turn.op == op then found = k end
@@ -276,20 +274,12 @@ FACTORIES.gcra = function()
           local turn = table.remove(st.turns, found)
           local span = turn.w > 0 and turn.w * pair.period or need
           free(st, turn.v - span, turn.v)
-        elseif left <= 0 then
-          return  -- its slot is behind now: nothing of it is still charged
-        elseif st.block and at < st.block.since then
-          if left < need then need = left end
-          local top = st.block.e
-          for k = #st.holes, 1, -1 do  -- the block's top may be a hole already
-            if st.holes[k].e == top then top = st.holes[k].s end
-          end
-          local lo = top - need
-          if lo < 0 then lo = 0 end
-          st.block.e = lo
-          free(st, lo, top)
+        elseif st.last and op and op ~= '' and st.last.op == op then
+          local last = st.last
+          st.last = nil
+          free(st, last.v - last.w * pair.period, last.v)
         else
-          give_back(st, left < need and left or need)
+          return  -- where its slot lies is not known: nothing is credited (see the header)
         end
       else
         give_back(st, need)

@@ -153,6 +153,35 @@ async def test_the_undo_of_an_old_admission_credits_nothing(store_url: str, pref
         assert await script.admitted_at(T0 + 10 * S + 2_000, "m:2:") is None
 
 
+async def test_the_undo_of_an_admission_others_charged_after_frees_nothing(
+    store_url: str, prefix: str
+) -> None:
+    """TokenBucket(1/s, burst 3): X (1 at 0 s, slot [0, 1)), Y (2 at 0.4 s, slot [1, 3)), two
+    waiters queued, then X, the waiters undone. X's slot is behind Y's, which cannot move
+    before 0.4 s, its own charge: crediting X at the tail (or at the top of the immediate
+    admissions, as b5a0783 did) let 6 units through within 2.6 s, one more than the rate
+    allows. Now only the last immediate admission's slot is known, and X credits nothing."""
+    limit = TokenBucket(1, per=1, burst=3)
+    async with Limiter(store_url, [limit], prefix=prefix) as limiter:
+        script = Script(limiter, prefix, limit)
+        wait = 30 * S
+        assert await script.admitted_at(T0, "x:1:") == T0
+        y = await script.admitted_at(T0 + 400_000, "y:1:", weight=2)
+        assert y == T0 + 400_000
+        assert await script.admitted_at(T0 + 401_000, "r1:1:", wait_us=wait) == T0 + S
+        assert await script.admitted_at(T0 + 800_000, "r2:1:", 2, wait) == T0 + 3 * S
+        for op in ("x:1:", "r2:1:", "r1:1:"):
+            await script.call("undo", T0 + 1_050_000, 1 if op != "r2:1:" else 2, op)
+        n1 = await script.admitted_at(T0 + 1_850_000, "n1:1:")
+        n2 = await script.admitted_at(T0 + 1_900_000, "n2:1:", 3, wait)
+    admitted = sorted([(y, 2), (n1, 1), (n2, 3)])
+    for i, (start, _) in enumerate(admitted):
+        total = 0
+        for at, weight in admitted[i:]:
+            total += weight
+            assert total <= 3 + (at - start) / S, admitted
+
+
 async def test_turns_past_the_cap_still_hold_their_slots(store_url: str, prefix: str) -> None:
     """MinInterval(1 s): 20 waiters queued (turns at 1..20 s; only the last 16 are recorded),
     then those 16 are undone. The 4 waiters left keep their turns: a newcomer, and the undo
