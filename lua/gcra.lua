@@ -25,7 +25,8 @@
 --                      in, from max(start, now); a hole's capacity that time passes is gone,
 --                      as a full bucket's is.
 --   f<end>             the end of turns no longer recorded (past TURNS): a floor as well.
---   l<end>:<w>:<op>    the last request admitted at once, whose slot ends at <end>.
+--   m<w>:<op>          the last request admitted at once, whose slot ends at TAT; written as
+--   l<end>:<w>:<op>    once later charges moved TAT past its end.
 -- Undoing an op (`at` and `op` given) frees exactly the slot it holds: a recorded turn's, or
 -- the last immediate admission's (a hole, or the tail when it is the last slot), the part
 -- still ahead of now. An op admitted at once before others were charged is not known where
@@ -63,6 +64,27 @@ FACTORIES.gcra = function()
     return fmt(now + q) .. ':' .. fmt(r)
   end
 
+  -- "m<w>:<op>": its slot ends at TAT (the common case, written on every immediate
+  -- admission); "l<end>:<w>:<op>" once later charges moved TAT past it.
+  local function last_item(pair, now, st, item)
+    local v, w, op = st.tat, nil, nil
+    if string.sub(item, 1, 1) == 'm' then
+      w, op = string.match(item, '^m(%d+):(.*)$')
+    else
+      local t, f
+      t, f, w, op = string.match(item, '^l(%-?%d+):(%d+):(%d+):(.*)$')
+      v = t and offset(pair, now, t, f) or 0
+    end
+    if w and v > 0 then st.last = {v = v, w = tonumber(w), op = op} end
+  end
+
+  local function parse_last(pair, now, st)
+    local text = st.last_text
+    if not text then return end
+    st.last_text = nil
+    last_item(pair, now, st, string.sub(text, 2))
+  end
+
   -- The state as offsets from now scaled by R: tat (>= 0), turns, holes (ascending, disjoint),
   -- last admission; what lies behind now is dropped.
   local function gcra_state(s, pair, now)
@@ -75,6 +97,11 @@ FACTORIES.gcra = function()
     local x = offset(pair, now, a, b)
     if x > 0 then st.tat = x end
     if rest == '' then return st end
+    if string.find(rest, ';', 2, true) == nil and string.sub(rest, 2, 2) == 'm' then
+      st.last_text = rest  -- only the last admission: parsed if an undo or refund needs it
+      return st
+    end
+    local last_items = {}
     for item in string.gmatch(rest, ';([^;]+)') do
       local kind = string.sub(item, 1, 1)
       if kind == 'r' then
@@ -89,10 +116,8 @@ FACTORIES.gcra = function()
         local t, f = string.match(item, '^f(%-?%d+):(%d+)$')
         local v = offset(pair, now, t, f)
         if v > 0 then st.floor = v end
-      elseif kind == 'l' then
-        local t, f, w, op = string.match(item, '^l(%-?%d+):(%d+):(%d+):(.*)$')
-        local v = offset(pair, now, t, f)
-        if v > 0 then st.last = {v = v, w = tonumber(w), op = op} end
+      elseif kind == 'l' or kind == 'm' then
+        last_items[#last_items + 1] = item
       elseif kind == 'p' then  -- (an earlier format's note, no longer used)
       else  -- an older version's floor: "<tat>:<frac>:<op>", the latest reservation's TAT
         local t, f, op = string.match(item, '^(%-?%d+):(%d+):(.*)$')
@@ -100,6 +125,7 @@ FACTORIES.gcra = function()
         if v > 0 then st.turns[#st.turns + 1] = {v = v, w = 0, op = op} end
       end
     end
+    for _, item in ipairs(last_items) do last_item(pair, now, st, item) end
     return st
   end
 
@@ -115,6 +141,18 @@ FACTORIES.gcra = function()
       if not st.floor or turn.v > st.floor then st.floor = turn.v end
     end
     while #st.holes > HOLES do table.remove(st.holes, 1) end  -- its capacity is lost
+    if #st.turns == 0 and #st.holes == 0 and not st.floor and not st.last_text then
+      local value = time_text(pair, now, st.tat)  -- the common case, without tables
+      if st.last and st.last.v == st.tat then
+        value = value .. ';m' .. fmt(st.last.w) .. ':' .. st.last.op
+      elseif st.last then
+        value = value .. ';l' .. time_text(pair, now, st.last.v) .. ':' .. fmt(st.last.w) .. ':'
+                .. st.last.op
+      end
+      stage_set(s, st.name, value)
+      want_ttl(s, math.ceil(gcra_us(pair, st.tat) / 1000) + 1)
+      return
+    end
     local parts = {time_text(pair, now, st.tat)}
     for _, turn in ipairs(st.turns) do
       parts[#parts + 1] = 'r' .. time_text(pair, now, turn.v) .. ':' .. fmt(turn.w) .. ':'
@@ -125,7 +163,11 @@ FACTORIES.gcra = function()
                           .. time_text(pair, now, hole.e)
     end
     if st.floor then parts[#parts + 1] = 'f' .. time_text(pair, now, st.floor) end
-    if st.last then
+    if st.last_text then
+      parts[#parts + 1] = string.sub(st.last_text, 2)
+    elseif st.last and st.last.v == st.tat then
+      parts[#parts + 1] = 'm' .. fmt(st.last.w) .. ':' .. st.last.op
+    elseif st.last then
       parts[#parts + 1] = 'l' .. time_text(pair, now, st.last.v) .. ':' .. fmt(st.last.w) .. ':'
                           .. st.last.op
     end
@@ -240,6 +282,7 @@ FACTORIES.gcra = function()
         i, vs, vend = hole_for(pair, st, need, reserving and math.huge or 0)
       end
       if i then
+        parse_last(pair, now, st)
         local hole = table.remove(st.holes, i)
         -- (what lay before vs is behind now: only the rest of the hole is kept)
         if vend < hole.e then table.insert(st.holes, i, {s = vend, e = hole.e}) end
@@ -247,11 +290,11 @@ FACTORIES.gcra = function()
       else
         local x = st.tat + need
         if reserving and x > capacity then
+          parse_last(pair, now, st)  -- its end is written out: TAT moves past it
           st.turns[#st.turns + 1] = {v = x, w = weight, op = op}
-        elseif op ~= '' then
-          st.last = {v = x, w = weight, op = op}
-        else
-          st.last = nil
+        else  -- the last admission is this one (its text, if any, is stored as it was else)
+          st.last_text = nil
+          st.last = op ~= '' and {v = x, w = weight, op = op} or nil
         end
         st.tat = x
       end
@@ -262,6 +305,7 @@ FACTORIES.gcra = function()
     -- recorded turn (a newcomer queues after it). With `at` (undo of op): see the header.
     refund = function(s, pair, now, weight, at, op)
       local st = gcra_state(s, pair, now)
+      parse_last(pair, now, st)
       local need = weight * pair.period
       if at then
         local found = nil
