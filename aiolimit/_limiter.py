@@ -28,7 +28,7 @@ from aiolimit._failure import BreakerStatistics, CircuitBreaker, FailurePolicy, 
 from aiolimit._follow import RulesFollower, publish
 from aiolimit._keys import check_prefix, identifier_kind
 from aiolimit._limits import BaseLimit
-from aiolimit._protocol import Protocol
+from aiolimit._protocol import HELD_TURNS, Protocol, Turn
 from aiolimit._refusals import DEFAULT_SIZE, RefusalCache
 from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight
 from aiolimit._ruleset import RuleSet
@@ -465,7 +465,16 @@ class Limiter:
                 left = MAX_RESERVATION_US if deadline is None else deadline - clock.monotonic()
                 max_wait_us = max(0, min(MAX_RESERVATION_US, int(left * 1_000_000)))
             started = clock.monotonic()
-            decision = await self._try(plans, weight, max_wait_us)
+            held: list[Turn] = []
+            token = HELD_TURNS.set(held)
+            try:
+                decision = await self._try(plans, weight, max_wait_us)
+            except BaseException:
+                for turn in held:
+                    self._protocol.end_turn(turn, undo=True)
+                raise
+            finally:
+                HELD_TURNS.reset(token)
             if decision.denied:
                 raise RateLimited(decision)  # the rules deny it: waiting cannot help
             # Waits count from the decision: time the clock moved while the call was in
@@ -474,12 +483,21 @@ class Limiter:
             if decision.allowed:
                 delay_us = max((round(p.retry_after * 1e6) for p in decision.details), default=0)
                 if delay_us > elapsed_us and not decision.degraded:
-                    # A reserved turn. A waiter cancelled meanwhile does not give it back:
-                    # later waiters' turns were counted after it, so returning a turn in the
-                    # middle of the queue would let two of them through at once.
+                    # A reserved turn. A waiter cancelled meanwhile gives it back: the undo
+                    # frees that turn alone (the script keeps the queue's gaps), for the next
+                    # waiter to take; later waiters keep theirs.
                     self._counts["waits"] += 1
-                    await clock.sleep((delay_us - elapsed_us) / 1e6)
+                    try:
+                        await clock.sleep((delay_us - elapsed_us) / 1e6)
+                    except BaseException:
+                        for turn in held:
+                            self._protocol.end_turn(turn, undo=True)
+                        raise
+                for turn in held:
+                    self._protocol.end_turn(turn, undo=False)
                 return decision
+            for turn in held:  # (none: a refusal reserves nothing)
+                self._protocol.end_turn(turn, undo=False)
             wait = max(round(decision.retry_after * 1e6) - elapsed_us, 0) / 1e6
             if _refused_by_a_lease(decision):
                 # A lease's retry_after is when it expires at the latest; its holder usually

@@ -71,6 +71,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -97,6 +98,21 @@ from aiolimit._ops import Op, OpLedger
 from aiolimit._retry import backoff
 from aiolimit._rules import IdentifierPlan
 from aiolimit._stores.base import Store
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A reserved turn whose op is kept open while its caller waits for it."""
+
+    plans: Sequence[IdentifierPlan]
+    weight: int
+    op: Op
+    keys: list[str]
+
+
+#: Set by ``Limiter.acquire`` around a decision that may reserve a turn: ``acquire`` below
+#: appends the turn it reserved, and leaves its op open for the caller to end.
+HELD_TURNS: ContextVar[list[Turn] | None] = ContextVar("aiolimit_held_turns", default=None)
 
 T = TypeVar("T")
 logger = logging.getLogger("aiolimit")
@@ -237,10 +253,26 @@ class Protocol:
             else:
                 self._spawn(self._settle(plans, weight, op, keys))
             raise
-        self.ops.settle(keys, op)
+        held = HELD_TURNS.get()
+        if held is not None and result.allowed and any(p.retry_after > 0 for p in result.details):
+            # A reserved turn: its caller waits for it, and may be cancelled meanwhile. The op
+            # stays open until the caller hands it back (``end_turn``), so that its undo
+            # still finds it.
+            held.append(Turn(plans, weight, op, keys))
+        else:
+            self.ops.settle(keys, op)
         if result.allowed and any(plan.has_leases for plan in plans):
             result = replace(result, lease=Lease(self, plans, weight, op))
         return result
+
+    def end_turn(self, turn: Turn, *, undo: bool) -> None:
+        """Settles a held turn's op: it came (the caller went through), or, with ``undo``, the
+        caller gave up waiting: the op is undone in the background (its turn becomes free for
+        the next waiter) until the store answers."""
+        if undo:
+            self._spawn(self._settle(turn.plans, turn.weight, turn.op, turn.keys))
+        else:
+            self.ops.settle(turn.keys, turn.op)
 
     async def refund(self, plans: Sequence[IdentifierPlan], weight: int) -> Decision:
         """Gives ``weight`` back on every pair, once (a resent copy replays). A refund once

@@ -9,6 +9,8 @@ and refunds ever admits more than the rate allows.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 from typing import Any
 
@@ -19,6 +21,7 @@ from aiolimit import Limiter, MinInterval, TokenBucket
 from aiolimit._calls import Call, Mode, decide_script
 from aiolimit._embedded.store import EmbeddedStore
 from aiolimit._keys import main_key
+from aiolimit.testing import ManualClock
 
 T0 = 1_700_000_000_000_000  # µs
 S = 1_000_000
@@ -366,3 +369,41 @@ async def test_a_stress_build_never_admits_more_than_the_rate(
             for at, weight in times[i:]:
                 total += weight
                 assert total <= burst + (at - start + 2) / interval, (seed, burst, rate, times)
+
+
+async def test_a_waiter_cancelled_before_its_turn_gives_the_turn_back(
+    store_url: str, prefix: str
+) -> None:
+    """MinInterval(1 s) through the limiter: the token at 0 s, waiter A reserves 1 s and B 2 s;
+    A is cancelled while it sleeps. Its op stays open until then, so its undo frees the turn
+    at 1 s: a newcomer queued after that goes at 1 s, B keeps 2 s. (Before, the cancelled
+    waiter's turn stayed charged and the newcomer went at 3 s.)"""
+    clock = ManualClock(start=T0 / S)
+    admitted: list[float] = []
+    async with Limiter(store_url, [MinInterval(1)], prefix=prefix, clock=clock) as limiter:
+
+        async def waiter() -> None:
+            assert (await limiter.acquire("ip:1", timeout=10)).allowed
+            admitted.append(round(clock.time() - T0 / S, 3))
+
+        async def decided(count: int) -> None:
+            while limiter.statistics().decisions < count:  # noqa: ASYNC110 - a plain counter
+                await asyncio.sleep(0.001)
+
+        await waiter()  # the token: at once
+        a = asyncio.create_task(waiter())
+        await decided(2)
+        b = asyncio.create_task(waiter())
+        await decided(3)
+        a.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await a
+        await asyncio.sleep(0.2)  # the undo runs in the background (a round trip)
+        newcomer = asyncio.create_task(waiter())
+        await decided(4)
+        for _ in range(40):
+            clock.advance(0.1)
+            for _ in range(20):
+                await asyncio.sleep(0)
+        await asyncio.gather(b, newcomer)
+    assert sorted(admitted) == [0.0, 1.0, 2.0], admitted
