@@ -105,26 +105,38 @@ def encode(
     return Call(mode, keys, args, plans)
 
 
+_new_pair = tuple.__new__  # (a NamedTuple made without its Python-level __new__)
+
+
 def decode(call: Call, raw: Sequence[int]) -> Reply:
-    pairs = []
+    pairs: list[PairDecision] = []
+    append = pairs.append
     at = REPLY_HEAD
     for plan in call.plans:
         identifier = plan.identifier
         for limit in plan.limits:
             retry_us = raw[at + 2]
             reset_us = raw[at + 3]
-            pairs.append(
-                PairDecision(
-                    identifier,
-                    limit,
-                    raw[at] == 1,
-                    raw[at + 1],
-                    retry_us / 1_000_000 if retry_us > 0 else 0.0,
-                    reset_us / 1_000_000 if reset_us > 0 else 0.0,
+            append(
+                _new_pair(
+                    PairDecision,
+                    (
+                        identifier,
+                        limit,
+                        raw[at] == 1,
+                        raw[at + 1],
+                        retry_us / 1_000_000 if retry_us > 0 else 0.0,
+                        reset_us / 1_000_000 if reset_us > 0 else 0.0,
+                    ),
                 )
             )
             at += REPLY_PER_PAIR
     return Reply(raw[0] == 1, raw[1] == 1, raw[2], tuple(pairs))
+
+
+def allows(raw: Sequence[int]) -> bool:
+    """A raw reply's all-or-nothing verdict, without decoding its pairs."""
+    return raw[0] == 1
 
 
 def parse_args(keys: Sequence[str], args: Sequence[object]) -> list[tuple[str, ...]]:

@@ -86,6 +86,7 @@ from aiolimit._calls import (
     Mode,
     RawReply,
     Reply,
+    allows,
     decision,
     decode,
     encode,
@@ -194,12 +195,16 @@ class Protocol:
             for group in groups
         ]
 
-    async def _replies(self, calls: Sequence[Call]) -> list[Reply]:
+    async def _raw_replies(self, calls: Sequence[Call]) -> list[RawReply]:
         results = await self._store.run(calls)
         error = _first_error(results)
         if error is not None:
             raise error
-        return [decode(call, result) for call, result in zip(calls, results, strict=True)]  # type: ignore[arg-type]
+        return results  # type: ignore[return-value]
+
+    async def _replies(self, calls: Sequence[Call]) -> list[Reply]:
+        raw = await self._raw_replies(calls)
+        return [decode(call, result) for call, result in zip(calls, raw, strict=True)]
 
     # --- decisions --------------------------------------------------------------------------
 
@@ -294,10 +299,10 @@ class Protocol:
     ) -> Decision:  # fmt: skip
         if not self._penalty:
             checks = self._calls(CHECK, groups, weight, now_us, None, max_wait_us)
-            checked = await self._replies(checks)
-            if not all(reply.allowed for reply in checked):
+            checked = await self._raw_replies(checks)
+            if not all(allows(raw) for raw in checked):  # (an allowed check needs no decoding)
                 self.statistics.refused_at_check += 1
-                return _merge(checked)
+                return _merge([decode(c, r) for c, r in zip(checks, checked, strict=True)])
         calls = self._calls(ACQUIRE, groups, weight, now_us, op, max_wait_us)
         try:
             results = await self._store.run(calls)

@@ -28,15 +28,60 @@ class Pending:
 
     keys: Sequence[str]
     args: Sequence[Arg]
-    #: Absolute ``time.monotonic()`` after which nobody waits for the reply.
+    #: Absolute ``time.monotonic()`` after which nobody waits for the reply (0: no deadline
+    #: of its own; the decision's timeout bounds the wait).
     deadline: float
     #: Always gets a result, never an exception: an error is the result (nobody may be left
     #: to retrieve it).
     future: asyncio.Future[Result]
+    #: The deadline watch of the flush that took this call, if its calls have deadlines.
+    watch: _Watch | None = None
 
     def resolve(self, result: Result) -> None:
         if not self.future.done():
             self.future.set_result(result)
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            watch.answered()
+
+
+class _Watch:
+    """One timer for the calls of one flush: at the earliest deadline among those still
+    unanswered, each call past its deadline gets a ``TimeoutError`` (a reply arriving later
+    is dropped), then the timer is set for the next. Cancelled once every call is answered.
+
+    One timer per flush instead of one per waiting caller: under load a flush carries tens
+    of calls, and a timer costs a heap push, a cancellation and a context manager.
+    """
+
+    __slots__ = ("_calls", "_handle", "_left")
+
+    def __init__(self, calls: list[Pending]) -> None:
+        self._calls = calls
+        self._left = len(calls)
+        self._handle: asyncio.TimerHandle | None = None
+        for call in calls:
+            call.watch = self
+        self._arm()
+
+    def _arm(self) -> None:
+        earliest = min(call.deadline for call in self._calls if call.watch is self)
+        self._handle = asyncio.get_running_loop().call_at(loop_time(earliest), self._expire)
+
+    def answered(self) -> None:
+        self._left -= 1
+        if self._left == 0 and self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _expire(self) -> None:
+        self._handle = None
+        now = time.monotonic()
+        for call in self._calls:
+            if call.watch is self and call.deadline <= now:
+                call.resolve(TimeoutError("no reply by the call's deadline"))
+        if self._left > 0:
+            self._arm()
 
 
 def loop_time(deadline: float) -> float:
@@ -92,6 +137,15 @@ class TickBatcher:
     def _flush(self) -> None:
         queue, self._queue = self._queue, []
         calls = [call for call in queue if not call.future.done()]  # (done: its caller gave up)
+        if calls and calls[0].deadline > 0:
+            now = time.monotonic()
+            late = [call for call in calls if call.deadline <= now]
+            if late:  # out of time before it could leave: not sent
+                for call in late:
+                    call.resolve(TimeoutError("no time left to send the call"))
+                calls = [call for call in calls if call.deadline > now]
+            if calls:
+                _Watch(calls)
         # At least two pipelines when there are enough calls: the server runs the first while
         # the client packs the next and reads the replies, instead of each waiting in turn.
         size = self.max_batch
@@ -129,27 +183,16 @@ class TickBatcher:
             await asyncio.gather(*stuck, return_exceptions=True)
 
 
-async def wait_results(futures: Sequence[asyncio.Future[Result]], deadline: float) -> list[Result]:
-    """Each call's result, or a ``TimeoutError`` for those not answered by ``deadline``.
+async def wait_results(futures: Sequence[asyncio.Future[Result]]) -> list[Result]:
+    """Each call's result: a reply, or the error that answered it (for a call with a deadline,
+    a ``TimeoutError`` once the deadline passed without a reply: see ``_Watch``).
 
-    Only the wait is bounded: a call still queued when its caller stops waiting is dropped,
-    and a pipeline already sent goes on for the other calls in it. A cancellation of the
-    caller cancels the futures (so queued calls are dropped) and is raised.
+    A cancellation of the caller cancels the futures (so queued calls are dropped; a pipeline
+    already sent goes on for the other calls in it) and is raised.
     """
-    results: list[Result] = []
     try:
-        async with asyncio.timeout_at(loop_time(deadline)):
-            for future in futures:
-                results.append(await future)
-    except TimeoutError as exc:
-        for future in futures[len(results) :]:
-            if future.done() and not future.cancelled():
-                results.append(future.result())
-            else:
-                future.cancel()
-                results.append(exc)
+        return [await future for future in futures]
     except BaseException:
         for future in futures:
             future.cancel()
         raise
-    return results

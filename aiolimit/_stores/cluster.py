@@ -36,7 +36,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import ResponseError
+from redis.exceptions import ResponseError, SlotNotCoveredError
 
 from aiolimit._calls import decide_library, decide_script
 from aiolimit._clock import Clock, ServerClock
@@ -256,7 +256,7 @@ class ClusterStore(Store):
         deadline = self._deadline()
         submit = self._batcher.submit
         futures = [submit(call.keys, call.args, deadline) for call in calls]
-        results = await wait_results(futures, deadline)
+        results = await wait_results(futures)
         redo = [
             index
             for index, result in enumerate(results)
@@ -287,15 +287,20 @@ class ClusterStore(Store):
                 call.resolve(exc)
             return
         by_node: dict[str, tuple[ClusterNode, list[Pending]]] = {}
+        slots = client.nodes_manager.slots_cache
         for call in calls:
-            try:
-                node = client.get_node_from_key(call.keys[0])
-                if node is None:  # pragma: no cover - only with replica=True
-                    raise LookupError(f"no node serves {call.keys[0]!r}")
-            except Exception as exc:  # a slot not covered right now: that call's retry path
-                call.resolve(exc)
+            # (what ``client.get_node_from_key`` does, with the slot computed once per key)
+            owners = slots.get(_slot(call.keys[0]))
+            if not owners:  # a slot not covered right now: that call's retry path
+                slot = _slot(call.keys[0])
+                call.resolve(SlotNotCoveredError(f'Slot "{slot}" is not covered by the cluster.'))
                 continue
-            by_node.setdefault(node.name, (node, []))[1].append(call)
+            node = owners[0]
+            known = by_node.get(node.name)
+            if known is None:
+                by_node[node.name] = (node, [call])
+            else:
+                known[1].append(call)
         groups = list(by_node.values())
         for node, group in groups[1:]:
             self._batcher.spawn(self._send_pipeline(node, group))
