@@ -58,7 +58,7 @@ from aiolimit._errors import BackendUnavailable, ConfigurationError
 from aiolimit._retry import RetryStatistics, call_with_retries, check_deadline_seconds
 from aiolimit._stores.base import Arg, Reply, Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher, loop_time, wait_results
-from aiolimit._stores.resp import command_head, pack_calls
+from aiolimit._stores.resp import command_head, pack_calls, read_replies
 
 #: Seconds a store call may take, retries included, when no decision deadline is set.
 DEFAULT_DEADLINE = 5.0
@@ -341,11 +341,7 @@ class ClusterStore(Store):
                 if reconnect is not None and reconnect():
                     await connection.disconnect()
                 await connection.send_packed_command(packed)
-                for _ in calls:
-                    try:
-                        results.append(await connection.read_response())
-                    except ResponseError as error:  # an error reply answers that call only
-                        results.append(error)
+                results = await read_replies(connection, len(calls))
         except Exception as exc:  # the connection failed or timed out: calls without a reply
             results += [exc] * (len(calls) - len(results))
             if connection is not None:  # replies may still be on their way

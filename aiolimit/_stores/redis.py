@@ -20,7 +20,7 @@ from aiolimit._connection import (
 )
 from aiolimit._stores.base import Arg, Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher
-from aiolimit._stores.resp import command_head, pack_call, pack_calls
+from aiolimit._stores.resp import command_head, pack_call, pack_calls, read_replies
 
 
 class RedisStore(Store):
@@ -164,13 +164,7 @@ class RedisStore(Store):
 
             async def attempt() -> list[Any]:
                 await connection.send_packed_command(packed)
-                results: list[Any] = []
-                for _ in calls:
-                    try:
-                        results.append(await connection.read_response())
-                    except ResponseError as error:  # an error reply answers that call only
-                        results.append(error)
-                return results
+                return await read_replies(connection, len(calls))
 
             async def failed(error: Exception) -> None:
                 await connection.disconnect()

@@ -1,4 +1,5 @@
-"""Script calls written as RESP by hand: the bytes redis-py's ``pack_command`` would make.
+"""Script calls written as RESP by hand (the bytes redis-py's ``pack_command`` would make),
+and a pipeline's replies read in one go.
 
 redis-py's general encoder (type dispatch per argument, a list of chunks per command) is
 about half of a decision's client CPU. A script call has a fixed shape: the command head
@@ -9,9 +10,23 @@ microseconds a call.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from aiolimit._stores.base import Arg, ScriptCall
+
+_HIREDIS_PARSER: type | None = None
+NOT_ENOUGH_DATA: object = None
+try:  # redis-py's hiredis parser and its "no complete reply yet" marker (redis-py 5-8)
+    from redis._parsers import _AsyncHiredisParser as _HIREDIS_PARSER
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA
+except ImportError:  # pragma: no cover - another redis-py layout: replies are read one by one
+    pass
 
 
 def bulk(value: bytes) -> bytes:
@@ -78,3 +93,59 @@ def pack_call(head: bytes, head_words: int, keys: Sequence[str], args: Sequence[
 def pack_calls(head: bytes, head_words: int, calls: Iterable[ScriptCall]) -> bytes:
     """Several calls in one buffer, for one write."""
     return b"".join(pack_call(head, head_words, call.keys, call.args) for call in calls)
+
+
+async def read_replies(connection: Any, count: int) -> list[Any]:
+    """The next ``count`` replies on ``connection``, in order; an error reply (NOSCRIPT, MOVED,
+    ...) is that call's result, a ``ResponseError``. A connection failure is raised.
+
+    With redis-py's hiredis parser on a RESP2 connection the replies are taken from the
+    parser's reader directly, socket reads only when it has no complete reply. redis-py's
+    ``read_response`` costs a few layers (and, with a socket timeout, a timer) per reply; the
+    caller bounds the whole pipeline instead. Any other parser, or RESP3 (push messages may
+    come in between), goes through ``read_response`` one reply at a time.
+    """
+    parser: Any = getattr(connection, "_parser", None)
+    if (
+        _HIREDIS_PARSER is None
+        or type(parser) is not _HIREDIS_PARSER
+        or not getattr(parser, "_connected", False)
+        or str(getattr(connection, "protocol", 2)) not in ("2", "None")
+    ):
+        return await _one_by_one(connection, count)
+    timeout = getattr(connection, "socket_timeout", None)
+    if not timeout:
+        return await _from_reader(parser, count)
+    try:  # one bound for the whole read where redis-py would bound each reply
+        async with asyncio.timeout(timeout):
+            return await _from_reader(parser, count)
+    except TimeoutError:
+        raise RedisTimeoutError(f"no reply within {timeout} s") from None
+
+
+async def _from_reader(parser: Any, count: int) -> list[Any]:
+    gets = parser._reader.gets
+    results: list[Any] = []
+    append = results.append
+    while len(results) < count:
+        reply = gets()
+        if reply is NOT_ENOUGH_DATA:
+            try:
+                await parser.read_from_socket()
+            except OSError as error:  # as redis-py reports it (its retry policies catch this)
+                raise RedisConnectionError(f"error while reading a reply: {error}") from error
+        elif isinstance(reply, RedisConnectionError):  # e.g. LOADING: the node is not ready
+            raise reply
+        else:
+            append(reply)
+    return results
+
+
+async def _one_by_one(connection: Any, count: int) -> list[Any]:
+    results: list[Any] = []
+    for _ in range(count):
+        try:
+            results.append(await connection.read_response())
+        except ResponseError as error:  # an error reply answers that call only
+            results.append(error)
+    return results
