@@ -93,3 +93,107 @@ async def test_a_cancelled_caller_does_not_disturb_its_batch(redis_url: str, pre
         assert all(getattr(r, "allowed", False) for i, r in enumerate(results) if i != 7)
         follow_up = await limiter.try_acquire("ip:0")
         assert follow_up.allowed
+
+
+async def test_connections_the_server_closed_between_decisions_are_replaced(
+    redis_url: str, prefix: str
+) -> None:
+    """The store keeps its connections between pipelines (no pool checkout per call). When
+    the server closes them meanwhile (CLIENT KILL, a restart, an idle timeout), the next
+    decisions take fresh ones: no error, nothing degraded, nothing charged twice."""
+    admin = redis.Redis.from_url(redis_url)
+    async with Limiter(redis_url, [Limit(1000, per=3600)], prefix=prefix) as limiter:
+        try:
+            for _ in range(3):
+                first = await asyncio.gather(*(limiter.try_acquire("ip:kept") for _ in range(20)))
+                assert limiter.store._idle  # type: ignore[attr-defined]
+                killed = await admin.execute_command(
+                    "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"
+                )
+                assert killed >= 1
+                await asyncio.sleep(0.05)  # the closes reach this process
+                alone = await limiter.try_acquire("ip:kept")
+                then = await asyncio.gather(*(limiter.try_acquire("ip:kept") for _ in range(20)))
+                decisions = [*first, alone, *then]
+                assert all(d.allowed and not d.degraded for d in decisions)
+            final = await limiter.peek("ip:kept")
+            assert final.remaining == 1000 - 3 * 41
+        finally:
+            await admin.aclose()
+
+
+async def test_a_users_small_pool_is_never_held_idle_by_the_store(
+    redis_url: str, prefix: str
+) -> None:
+    """A client passed in keeps its connections in its own pool: with a pool of 2 shared with
+    the application, the application's own commands and many concurrent decisions all get
+    one, during the load and after ``aclose``."""
+    pool = redis.BlockingConnectionPool.from_url(redis_url, max_connections=2, timeout=2)
+    client = redis.Redis(connection_pool=pool)
+    try:
+        async with Limiter(client, [Limit(1000, per=3600)], prefix=prefix) as limiter:
+            for _ in range(3):
+                decisions = await asyncio.gather(
+                    *(limiter.try_acquire(f"ip:{i % 7}") for i in range(60)),
+                    *(client.ping() for _ in range(10)),
+                )
+                assert all(decisions)
+                assert not limiter.store._idle  # type: ignore[attr-defined]
+        first, second = await pool.get_connection(), await pool.get_connection()
+        await pool.release(first)
+        await pool.release(second)
+    finally:
+        await client.aclose()
+        await pool.disconnect()
+
+
+async def test_a_closed_limiter_gives_its_kept_connections_back(
+    redis_url: str, prefix: str
+) -> None:
+    """A limiter that made its client keeps a few connections between pipelines and closes
+    them all at ``aclose``: the server sees none of its connections afterwards."""
+    admin = redis.Redis.from_url(redis_url)
+    name = f"aiolimit-{prefix}"
+    try:
+        limiter = Limiter(redis_url, [Limit(1000, per=3600)], prefix=prefix)
+        async with limiter:
+            await limiter.store.client.client_setname(name)  # type: ignore[attr-defined]
+            await asyncio.gather(*(limiter.try_acquire(f"ip:{i}") for i in range(40)))
+            assert limiter.store._idle  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)
+        clients = await admin.client_list()
+        assert not [c for c in clients if c.get("name") == name]
+    finally:
+        await admin.aclose()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+@pytest.mark.parametrize("parser", ["hiredis", "python"])
+async def test_replies_are_read_exactly_with_either_parser_and_protocol(
+    redis_url: str, prefix: str, protocol: int, parser: str
+) -> None:
+    """A client passed in may speak RESP2 or RESP3, with hiredis or redis-py's own parser:
+    pipelined replies are read in order either way (error replies included: a flush
+    makes the next calls come back NOSCRIPT / function not found, and they are run again)."""
+    from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser, _AsyncRESP3Parser
+
+    parser_class = {
+        "hiredis": _AsyncHiredisParser,
+        "python": _AsyncRESP2Parser if protocol == 2 else _AsyncRESP3Parser,
+    }[parser]
+    client = redis.Redis.from_url(redis_url, protocol=protocol, parser_class=parser_class)
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        async with Limiter(client, [Limit(50, per=3600)], prefix=prefix) as limiter:
+            first = await asyncio.gather(*(limiter.try_acquire("ip:p") for _ in range(30)))
+            await admin.function_flush()
+            await admin.script_flush()
+            then = await asyncio.gather(*(limiter.try_acquire("ip:p") for _ in range(30)))
+            assert all(d.allowed for d in first)
+            # (the two pipelines of the second batch may run in either order after the reload)
+            assert sum(d.allowed for d in then) == 20
+            assert not any(d.degraded for d in (*first, *then))
+            assert (await limiter.peek("ip:p")).remaining == 0
+    finally:
+        await client.aclose()
+        await admin.aclose()

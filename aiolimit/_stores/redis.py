@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -41,6 +42,8 @@ class RedisStore(Store):
 
     #: Calls per pipeline at most; a larger tick is split into several pipelines in flight.
     MAX_BATCH = 32
+    #: Connections kept between pipelines (the rest go back to the client's pool).
+    KEEP_CONNECTIONS = 4
 
     def __init__(self, client: Redis, *, owns_client: bool, address: str | None = None) -> None:
         self.client = client
@@ -59,6 +62,8 @@ class RedisStore(Store):
             client, "single_connection_client", False
         )
         self._direct_in_flight = 0
+        self._idle: list[Any] = []  # connections kept from the pool between pipelines
+        self._keep = owns_client  # (see ``_connection``)
 
     async def run(self, calls: Sequence[ScriptCall]) -> list[Result]:
         if len(calls) == 1 and self._direct_in_flight == 0 and self._batcher.idle:
@@ -151,10 +156,36 @@ class RedisStore(Store):
             pipe.execute_command(*self._words, len(call.keys), *call.keys, *call.args)
         return list(await pipe.execute(raise_on_error=False))
 
+    async def _connection(self) -> Any:
+        """A connection for one pipeline: one this store kept from an earlier pipeline (it
+        was left clean: every reply read), else one from the client's pool.
+
+        The pool's checkout and release (a lock, a condition, a timer, a health probe and
+        observability hooks) cost about as much client CPU as a lone decision's own work.
+        Only a client aiolimit made keeps connections (``KEEP_CONNECTIONS`` of its pool's
+        ``MAX_CONNECTIONS``): a client passed in may have a small pool shared with the
+        application, whose other users must not wait for connections held idle here.
+        """
+        idle = self._idle
+        while idle:
+            connection = idle.pop()
+            # The pool's own check: something to read on an idle connection means the server
+            # closed it (or it is out of step); it goes back to the pool, which reconnects it.
+            if connection.is_connected and not await connection.can_read():
+                return connection
+            await self._give_back(connection, disconnect=True)
+        return await self.client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+
+    async def _give_back(self, connection: Any, *, disconnect: bool = False) -> None:
+        if disconnect:
+            await connection.disconnect(nowait=True)
+        with contextlib.suppress(KeyError, ValueError):  # the pool forgot it (it was reset)
+            await self.client.connection_pool.release(connection)
+
     async def _pipeline_raw(self, calls: Sequence[ScriptCall]) -> list[Any]:
-        """One write of every call, then their replies in order, on one pooled connection."""
-        pool = self.client.connection_pool
-        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+        """One write of every call, then their replies in order, on one connection."""
+        connection = await self._connection()
+        clean = False
         try:
             if len(calls) == 1:
                 call = calls[0]
@@ -173,16 +204,21 @@ class RedisStore(Store):
             # aiolimit made; for one passed in, the store reports `retries_calls` and the
             # protocol gives every charging call an op id, so a resent call applies once.
             retry = connection.retry
-            if retry is None:
-                return await attempt()
-            result: list[Any] = await retry.call_with_retry(attempt, failed)
-            return result
+            if retry is None or retry.get_retries() == 0:
+                results = await attempt()
+            else:
+                results = await retry.call_with_retry(attempt, failed)
+            clean = True
+            return results
         except BaseException:
             # Replies may still be on their way: the connection cannot be reused.
             await connection.disconnect(nowait=True)
             raise
         finally:
-            await pool.release(connection)
+            if clean and self._keep and len(self._idle) < self.KEEP_CONNECTIONS:
+                self._idle.append(connection)
+            else:
+                await self._give_back(connection)
 
     async def delete(self, keys: Sequence[str]) -> None:
         with map_errors(self.address):
@@ -194,6 +230,10 @@ class RedisStore(Store):
 
     async def aclose(self) -> None:
         await self._batcher.aclose()
+        self._keep = False
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            await self._give_back(connection)
         if self._owns:
             await self.client.aclose()
 

@@ -99,18 +99,17 @@ async def read_replies(connection: Any, count: int) -> list[Any]:
     """The next ``count`` replies on ``connection``, in order; an error reply (NOSCRIPT, MOVED,
     ...) is that call's result, a ``ResponseError``. A connection failure is raised.
 
-    With redis-py's hiredis parser on a RESP2 connection the replies are taken from the
-    parser's reader directly, socket reads only when it has no complete reply. redis-py's
-    ``read_response`` costs a few layers (and, with a socket timeout, a timer) per reply; the
-    caller bounds the whole pipeline instead. Any other parser, or RESP3 (push messages may
-    come in between), goes through ``read_response`` one reply at a time.
+    With redis-py's hiredis parser the replies are taken from the parser's reader directly,
+    with a socket read only when it holds no complete reply, and RESP3 push messages handed
+    to the parser as redis-py would. redis-py's ``read_response`` costs a few layers (and,
+    with a socket timeout, a timer) per reply; here one bound covers the whole read. Any
+    other parser goes through ``read_response`` one reply at a time.
     """
     parser: Any = getattr(connection, "_parser", None)
     if (
         _HIREDIS_PARSER is None
         or type(parser) is not _HIREDIS_PARSER
         or not getattr(parser, "_connected", False)
-        or str(getattr(connection, "protocol", 2)) not in ("2", "None")
     ):
         return await _one_by_one(connection, count)
     timeout = getattr(connection, "socket_timeout", None)
@@ -125,6 +124,7 @@ async def read_replies(connection: Any, count: int) -> list[Any]:
 
 async def _from_reader(parser: Any, count: int) -> list[Any]:
     gets = parser._reader.gets
+    push = getattr(parser, "_hiredis_PushNotificationType", None) or ()
     results: list[Any] = []
     append = results.append
     while len(results) < count:
@@ -136,6 +136,8 @@ async def _from_reader(parser: Any, count: int) -> list[Any]:
                 raise RedisConnectionError(f"error while reading a reply: {error}") from error
         elif isinstance(reply, RedisConnectionError):  # e.g. LOADING: the node is not ready
             raise reply
+        elif push and isinstance(reply, push):  # RESP3: not a reply; redis-py's handlers
+            await parser.handle_push_response(reply)
         else:
             append(reply)
     return results
