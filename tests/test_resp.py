@@ -56,3 +56,31 @@ def test_an_argument_of_another_type_is_refused() -> None:
     """A float (or None) is a bug upstream: it fails loudly instead of being sent."""
     with pytest.raises(TypeError, match="str, int or bytes"):
         pack_call(command_head("EVALSHA", SHA), 2, [], [1.5])  # type: ignore[list-item]
+
+
+async def test_replies_read_before_a_broken_connection_are_kept() -> None:
+    """A pipeline whose connection breaks after two replies: those two stay their calls'
+    results (the cluster store answers only the rest with the error), and an error reply
+    is a result, not a failure. (A stand-in connection: this is the reading logic only.)"""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import ResponseError
+
+    from aiolimit._stores.resp import read_replies
+
+    class Broken:
+        def __init__(self) -> None:
+            self.replies: list[object] = [[1, 0, 5], ResponseError("NOSCRIPT x")]
+
+        async def read_response(self) -> object:
+            if not self.replies:
+                raise RedisConnectionError("reset by peer")
+            reply = self.replies.pop(0)
+            if isinstance(reply, ResponseError):
+                raise reply
+            return reply
+
+    into: list[object] = []
+    with pytest.raises(RedisConnectionError):
+        await read_replies(Broken(), 4, into)
+    assert into[0] == [1, 0, 5]
+    assert isinstance(into[1], ResponseError) and len(into) == 2

@@ -341,7 +341,7 @@ class ClusterStore(Store):
                 if reconnect is not None and reconnect():
                     await connection.disconnect()
                 await connection.send_packed_command(packed)
-                results = await read_replies(connection, len(calls))
+                await read_replies(connection, len(calls), results)  # (kept if it fails)
         except Exception as exc:  # the connection failed or timed out: calls without a reply
             results += [exc] * (len(calls) - len(results))
             if connection is not None:  # replies may still be on their way

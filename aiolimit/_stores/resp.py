@@ -95,9 +95,11 @@ def pack_calls(head: bytes, head_words: int, calls: Iterable[ScriptCall]) -> byt
     return b"".join(pack_call(head, head_words, call.keys, call.args) for call in calls)
 
 
-async def read_replies(connection: Any, count: int) -> list[Any]:
-    """The next ``count`` replies on ``connection``, in order; an error reply (NOSCRIPT, MOVED,
-    ...) is that call's result, a ``ResponseError``. A connection failure is raised.
+async def read_replies(connection: Any, count: int, into: list[Any] | None = None) -> list[Any]:
+    """The next ``count`` replies on ``connection``, in order, appended to ``into`` (a new
+    list if None) as they come; an error reply (NOSCRIPT, MOVED, ...) is that call's result,
+    a ``ResponseError``. A connection failure is raised: ``into`` then holds the replies read
+    before it.
 
     With redis-py's hiredis parser the replies are taken from the parser's reader directly,
     with a socket read only when it holds no complete reply, and RESP3 push messages handed
@@ -105,29 +107,30 @@ async def read_replies(connection: Any, count: int) -> list[Any]:
     with a socket timeout, a timer) per reply; here one bound covers the whole read. Any
     other parser goes through ``read_response`` one reply at a time.
     """
+    results: list[Any] = [] if into is None else into
     parser: Any = getattr(connection, "_parser", None)
     if (
         _HIREDIS_PARSER is None
         or type(parser) is not _HIREDIS_PARSER
         or not getattr(parser, "_connected", False)
     ):
-        return await _one_by_one(connection, count)
+        return await _one_by_one(connection, count, results)
     timeout = getattr(connection, "socket_timeout", None)
     if not timeout:
-        return await _from_reader(parser, count)
+        return await _from_reader(parser, count, results)
     try:  # one bound for the whole read where redis-py would bound each reply
         async with asyncio.timeout(timeout):
-            return await _from_reader(parser, count)
+            return await _from_reader(parser, count, results)
     except TimeoutError:
         raise RedisTimeoutError(f"no reply within {timeout} s") from None
 
 
-async def _from_reader(parser: Any, count: int) -> list[Any]:
+async def _from_reader(parser: Any, count: int, results: list[Any]) -> list[Any]:
     gets = parser._reader.gets
     push = getattr(parser, "_hiredis_PushNotificationType", None) or ()
-    results: list[Any] = []
     append = results.append
-    while len(results) < count:
+    end = len(results) + count
+    while len(results) < end:
         reply = gets()
         if reply is NOT_ENOUGH_DATA:
             try:
@@ -143,8 +146,7 @@ async def _from_reader(parser: Any, count: int) -> list[Any]:
     return results
 
 
-async def _one_by_one(connection: Any, count: int) -> list[Any]:
-    results: list[Any] = []
+async def _one_by_one(connection: Any, count: int, results: list[Any]) -> list[Any]:
     for _ in range(count):
         try:
             results.append(await connection.read_response())
