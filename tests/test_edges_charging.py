@@ -622,3 +622,63 @@ async def test_undo_through_a_failover_converges(
         await limiter.aclose()
         await client.aclose()
         await proxies.aclose()
+
+
+@pytest.mark.cluster
+async def test_a_pipeline_cut_after_its_first_reply_keeps_that_reply(
+    local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """A cluster pipeline of one-slot calls whose connection is reset right after its first
+    reply reached the client. That reply stands: its call is not resent. Exactly the calls
+    without a reply are resent (each replays or runs once), every decision is admitted, and
+    the store holds exactly what was admitted."""
+    from aiolimit._calls import decide_script
+
+    identifier = "ip:198.51.100.9"
+    node = owner(local_cluster, prefix, identifier)
+    admin = Redis(host=node.host, port=node.port)
+    await admin.script_load(decide_script().source)  # (a resend is one EVALSHA, no NOSCRIPT)
+    await admin.aclose()
+    proxies = await Proxies().start((n.host, n.port) for n in local_cluster.nodes)
+    client = proxied_client(local_cluster, proxies)
+    limiter = Limiter(client, [ROOMY], prefix=prefix)
+    batch: list[int] = []  # script calls in the pipeline that gets cut
+    resent: list[int] = []  # script calls sent after the cut
+
+    cut: list[bool] = []
+
+    def on_request(link: Link, data: bytes) -> None:
+        calls = script_calls(data)
+        if cut:
+            resent.append(calls)
+        elif not batch and calls >= 2:
+            batch.append(calls)
+            link.marks["cut"] = True
+
+    async def on_reply(link: Link, data: bytes) -> None:
+        if link.marks.pop("cut", False):
+            # Every reply is an array of 7 integers (one pair): 8 lines.
+            first = b"\r\n".join(data.split(b"\r\n")[:8]) + b"\r\n"
+            assert len(first) < len(data), "the chunk held one reply only"
+            link.client_writer.write(first)
+            await link.client_writer.drain()
+            await asyncio.sleep(0.05)  # the client reads it before the reset
+            cut.append(True)
+            link.abort()
+
+    try:
+        await limiter.peek(identifier)
+        proxy = proxies[node.port]
+        proxy.on_request, proxy.on_reply = on_request, on_reply
+        outcomes = await asyncio.gather(
+            *(_outcome(limiter.try_acquire(identifier)) for _ in range(20))
+        )
+    finally:
+        await limiter.aclose()
+        await client.aclose()
+        await proxies.aclose()
+    assert len(batch) == 1 and batch[0] >= 2
+    assert all(told_admitted(outcome) for outcome in outcomes), outcomes
+    assert sum(resent) == batch[0] - 1, f"{sum(resent)} resent of a pipeline of {batch[0]}"
+    converged, stored = await settle(lambda: charged(local_cluster.url, prefix, identifier), 20)
+    assert converged, f"stored {stored} for 20 admitted"
