@@ -8,6 +8,7 @@ here is orchestration: which calls go out, in which phase, and what the final st
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from aiolimit import BackendUnavailable, Limit
 from aiolimit._calls import Call, Mode
 from aiolimit._clock import ServerClock
-from aiolimit._protocol import Protocol
+from aiolimit._protocol import MAX_IN_FLIGHT, Protocol
 from aiolimit._rules import Rules
 from aiolimit._stores.base import Store
 
@@ -303,3 +304,90 @@ async def test_a_deadline_during_the_commit_still_undoes_every_slot(
     assert all(count == 0 for count in slots.used.values())
     assert proto.statistics.compensations == 1
     release.set()
+
+
+# --- charging calls in flight per identifier -----------------------------------------------
+
+
+class HeldSlots(FakeSlots):
+    """FakeSlots whose calls wait for a permit each (``let``), so a test sees how many are
+    in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permits = asyncio.Semaphore(0)
+        self.running: dict[str, int] = {}
+        self.most: dict[str, int] = {}
+
+    def let(self, count: int) -> None:
+        for _ in range(count):
+            self.permits.release()
+
+    async def run(self, calls: Sequence[Call]) -> list[list[int] | BaseException]:  # type: ignore[override]
+        name = calls[0].plans[0].identifier
+        self.running[name] = self.running.get(name, 0) + 1
+        self.most[name] = max(self.most.get(name, 0), self.running[name])
+        try:
+            await self.permits.acquire()
+        finally:
+            self.running[name] -= 1
+        return await super().run(calls)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("never happened")
+
+
+async def test_a_burst_on_one_identifier_leaves_max_in_flight_at_a_time() -> None:
+    """200 charging calls on "a" at once: MAX_IN_FLIGHT reach the store, the rest wait in
+    this process and go as answers come back; a call on "b" meanwhile does not wait."""
+    slots = HeldSlots()
+    rules = Rules([Limit(10**6, per=60)], "p")
+    proto = protocol(slots)
+    burst = [asyncio.ensure_future(proto.acquire([rules.plan("a")], 1)) for _ in range(200)]
+    await _until(lambda: slots.running.get("a") == MAX_IN_FLIGHT)
+    other = asyncio.ensure_future(proto.acquire([rules.plan("b")], 1))
+    await _until(lambda: slots.running.get("b") == 1)
+    assert slots.running["a"] == MAX_IN_FLIGHT
+    assert proto.statistics.waited_in_flight == 200 - MAX_IN_FLIGHT
+    slots.let(201)
+    decisions = await asyncio.gather(*burst, other)
+    assert all(d.allowed for d in decisions)
+    assert slots.most["a"] == MAX_IN_FLIGHT
+    assert slots.used[(rules.plan("a").keys[0], str(Limit(10**6, per=60)))] == 200
+    assert proto._in_flight == {} and proto._queued == {}
+
+
+async def test_callers_cancelled_in_line_give_their_place_up() -> None:
+    """Callers cancelled while they wait in line (one of them just as a slot was handed to
+    it) charge nothing, hold nothing, and the callers behind them still get through."""
+    slots = HeldSlots()
+    rules = Rules([Limit(10**6, per=60)], "p")
+    proto = protocol(slots)
+    plan = rules.plan("a")
+    running = [asyncio.ensure_future(proto.acquire([plan], 1)) for _ in range(MAX_IN_FLIGHT)]
+    await _until(lambda: slots.running.get("a") == MAX_IN_FLIGHT)
+    waiting = [asyncio.ensure_future(proto.acquire([plan], 1)) for _ in range(6)]
+    await _until(lambda: len(proto._queued.get(plan.keys[0], ())) == 6)
+    for task in waiting[2:4]:  # two in the middle of the line leave it
+        task.cancel()
+    first = proto._queued[plan.keys[0]][0]
+    slots.let(1)  # one call answered: its slot goes to the first in line ...
+    await _until(first.done)
+    waiting[0].cancel()  # ... which is cancelled before it could use it: the next one gets it
+    slots.let(MAX_IN_FLIGHT + 6)
+    results = await asyncio.gather(*running, *waiting, return_exceptions=True)
+    done = results[MAX_IN_FLIGHT:]
+    assert isinstance(done[0], asyncio.CancelledError)
+    assert isinstance(done[2], asyncio.CancelledError) and isinstance(
+        done[3], asyncio.CancelledError
+    )
+    assert all(getattr(done[i], "allowed", False) for i in (1, 4, 5))
+    await proto.aclose()
+    admitted = sum(bool(getattr(r, "allowed", False)) for r in results)
+    assert slots.used[(plan.keys[0], str(Limit(10**6, per=60)))] == admitted
+    assert proto._in_flight == {} and proto._queued == {}
