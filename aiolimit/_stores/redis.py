@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from aiolimit._calls import decide_library, decide_script
@@ -183,19 +184,41 @@ class RedisStore(Store):
             await self.client.connection_pool.release(connection)
 
     async def _pipeline_raw(self, calls: Sequence[ScriptCall]) -> list[Any]:
-        """One write of every call, then their replies in order, on one connection."""
+        """One write of every call, then their replies in order, on one connection.
+
+        A connection that the server closed while it was idle (CLIENT KILL, its idle
+        timeout, a restart) passes the idle check (ours or the pool's) when the close has
+        not reached this process yet: the pipeline then fails before any reply. It is sent
+        once more on a connection from the pool. That is safe: every charging call carries an
+        op, which the script applies once (a copy replays), and the other calls write nothing.
+        """
+        if len(calls) == 1:
+            call = calls[0]
+            packed = pack_call(self._head, 2, call.keys, call.args)
+        else:
+            packed = pack_calls(self._head, 2, calls)
         connection = await self._connection()
+        replies: list[Any] = []
+        try:
+            return await self._pipeline_on(connection, packed, len(calls), replies)
+        except RedisConnectionError:
+            if replies:
+                raise
+        connection = await self.client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+        return await self._pipeline_on(connection, packed, len(calls), [])
+
+    async def _pipeline_on(
+        self, connection: Any, packed: bytes, count: int, replies: list[Any]
+    ) -> list[Any]:
+        """Sends ``packed`` on ``connection`` and reads ``count`` replies into ``replies``;
+        then keeps the connection or gives it back."""
         clean = False
         try:
-            if len(calls) == 1:
-                call = calls[0]
-                packed = pack_call(self._head, 2, call.keys, call.args)
-            else:
-                packed = pack_calls(self._head, 2, calls)
 
             async def attempt() -> list[Any]:
+                replies.clear()
                 await connection.send_packed_command(packed)
-                return await read_replies(connection, len(calls))
+                return await read_replies(connection, count, replies)
 
             async def failed(error: Exception) -> None:
                 await connection.disconnect()
