@@ -67,6 +67,7 @@ but never stops the work; such a task sets a deadline of its own (``UNDO_BUDGET`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -312,7 +313,8 @@ class Protocol:
                     if waiter.done() and not waiter.cancelled():
                         taken.append(key)  # handed over, then cancelled: passed on below
                     else:
-                        queue.remove(waiter)
+                        with contextlib.suppress(ValueError):  # (``_leave`` dropped it)
+                            queue.remove(waiter)
                         if not queue and queued.get(key) is queue:
                             del queued[key]
                     raise
