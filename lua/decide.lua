@@ -57,8 +57,9 @@
 
 -- An identifier block (see ARGV[7 + b]) parsed into its pairs' fixed parameters. Blocks repeat
 -- from call to call (the client builds each identifier's block once), so as a FUNCTION library
--- the parse is kept, keyed by the block's text (at most BLOCK_CACHE_SIZE of them). A spec is
--- never written to: each call copies it into a pair of its own.
+-- the parse is kept, keyed by the block's text (at most BLOCK_CACHE_SIZE of them). A spec's
+-- parameters are never written to; an algorithm may memoize there what it derives from them
+-- alone (sliding_window.lua its field name).
 local BLOCKS, blocks_cached, BLOCK_CACHE_SIZE = {}, 0, 1024
 local function parse_block(text)
   local block = BLOCKS[text]
@@ -91,13 +92,278 @@ local function parse_block(text)
   return block
 end
 
+-- This call's state. As a FUNCTION library, everything from here to decide() is built once
+-- per server and kept between calls (with EVAL, on every call): the functions below are not
+-- made again for each call, and they read this call's state from these locals, which decide()
+-- sets before anything reads them. Redis runs one script at a time, so calls never share them.
+local now = 0  -- this call's time, µs
+local slack = 0  -- TTL slack, ms (ARGV[4])
+local op = ''  -- this call's op identity "<client>:<stamp>", '' for none
+local op_client = nil  -- its client, nil for no op
+local op_stamp, op_floor = 0, 0  -- its stamp, and the oldest stamp still open (or the stamp)
+local op_field = ''  -- "o:<client>": the client's ledger field
+local op_entry = ''  -- "<stamp>@": how the ledger entry of this op begins
+local op_open_text = ''  -- the open stamps as sent (ascending): parsed only when needed
+local max_wait = 0  -- ARGV[6]'s r<µs>, 0 for none
+-- This call's pairs are PAIRS[1 .. npairs] and its main keys MAINS[1 .. nmains]. The pair
+-- tables are reused from call to call (decide() sets every field again), so a call allocates
+-- none of them.
+local PAIRS, npairs = {}, 0
+local MAINS, nmains = {}, 0
+
+local now_text = nil  -- fmt(now), made once per call when first needed
+
+-- A time as stored (see fmt); `now`, the commonest, is formatted once per call.
+local function fmt_time(t)
+  if t ~= now then return fmt(t) end
+  if not now_text then now_text = fmt(now) end
+  return now_text
+end
+
+-- Each identifier judges by max(now, its last write): its time never runs backwards.
+local function now_for(s)
+  if s.t > now then return s.t end
+  return now
+end
+
+-- Exactly-once bookkeeping (see ARGV[5]).
+
+-- This client's ledger in main key s: its horizon, and its entries as text. The entries are
+-- never parsed one by one on the common path: a call's cost must not grow with the ops in
+-- flight on an identifier (searches and copies of the text run in C).
+local function ledger(s)
+  local l = s.ledger
+  if l then return l end
+  l = {name = op_field, horizon = 0, entries = '', looked = false, at = nil}
+  local raw = s.fields[op_field]
+  if raw then
+    local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
+    l.horizon = tonumber(horizon) or 0
+    l.entries = entries or ''
+  else
+    s.new_ledger = true
+  end
+  s.ledger = l
+  return l
+end
+
+-- What a ledger recorded for this call's op: its time (applied), false (undone), or nil
+-- (nothing). Looked up once per ledger and call, until op_record changes the entries.
+local function ledger_at(l)
+  if l.looked then return l.at end
+  local entries = l.entries
+  local from = 1
+  local at
+  while true do  -- a plain search (memchr speed), then a check that it starts an entry
+    local first, last = string.find(entries, op_entry, from, true)
+    if not first then break end
+    if first == 1 or string.byte(entries, first - 1) == 44 then  -- 44: ','
+      at = string.match(entries, '^[%d-]+', last + 1)
+      break
+    end
+    from = last + 1
+  end
+  local result = nil
+  if at == '-' then
+    result = false
+  elseif at ~= nil then
+    result = tonumber(at)
+  end
+  l.looked, l.at = true, result
+  return result
+end
+
+-- What this op is to main key s: 'new', 'applied' (and when), or 'settled' (undone here,
+-- or at or below the horizon: its client knows its outcome, so a copy arriving now is late).
+local function op_state(s)
+  local l = ledger(s)
+  if op_stamp <= l.horizon then return 'settled' end
+  local at = ledger_at(l)
+  if at == nil then return 'new' end
+  if at == false then return 'settled' end
+  return 'applied', at
+end
+
+-- What this op is to the call's keys together. They are written together, but one key may
+-- have expired (its ledger with it) while another lives on: 'applied' anywhere means the op
+-- ran, else 'settled' anywhere means it may not run, else it is 'new'.
+local function op_state_all()
+  local settled = false
+  for i = 1, nmains do
+    local state = op_state(MAINS[i])
+    if state == 'applied' then return 'applied' end
+    if state == 'settled' then settled = true end
+  end
+  if settled then return 'settled' end
+  return 'new'
+end
+
+-- Records this op in main key s (time µs, or false for undone) and stages the field. The
+-- horizon rises to just below the oldest open stamp, and the entries it passed go from the
+-- front (they arrive in stamp order, near enough: each entry is dropped once, so this costs
+-- O(1) a call over time). Entries of settled ops above the horizon stay until it passes
+-- them. Past OP_KEEP_BYTES (a stuck op and much traffic behind it) the oldest entries go,
+-- except the open ones the call names and the undone ones: a dropped op's undo would then
+-- credit nothing, and a resent copy of it would charge again (both err toward refusing).
+-- A key that records an undo lives at least OP_TOMBSTONE_MS, so a late copy finds it.
+local function op_record(s, time)
+  local l = ledger(s)
+  local horizon = l.horizon
+  if op_floor - 1 > horizon then horizon = op_floor - 1 end
+  local when = '-'
+  if time then when = fmt_time(time) end
+  local entry = op_entry .. when
+  local entries = l.entries
+  if ledger_at(l) ~= nil then
+    local text = string.gsub(',' .. entries .. ',', ',' .. op_entry .. '[%d-]+,',
+                             ',' .. entry .. ',', 1)
+    entries = string.sub(text, 2, -2)
+  elseif entries == '' then
+    entries = entry
+  else
+    entries = entries .. ',' .. entry
+  end
+  local cut = 1
+  while true do
+    local _, last, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
+    if not last or tonumber(stamp) > horizon then break end
+    cut = last + 1
+  end
+  if cut > 1 then entries = string.sub(entries, cut) end
+  if #entries > OP_KEEP_BYTES then
+    local open = {}
+    for value in string.gmatch(op_open_text, '%d+') do open[tonumber(value)] = true end
+    local kept, size = {}, 0
+    local all = {}
+    for stamp, at in string.gmatch(entries, '(%d+)@([%d-]+)') do
+      all[#all + 1] = {tonumber(stamp), stamp .. '@' .. at, at == '-'}
+    end
+    for i = #all, 1, -1 do  -- newest first: keep what fits, and always the protected
+      local e = all[i]
+      if e[1] > horizon and (size < OP_KEEP_BYTES / 2 or open[e[1]] or e[3]) then
+        kept[#kept + 1] = e
+        size = size + #e[2] + 1
+      end
+    end
+    table.sort(kept, function(x, y) return x[1] < y[1] end)
+    local text = {}
+    for i, e in ipairs(kept) do text[i] = e[2] end
+    entries = table.concat(text, ',')
+  end
+  l.horizon, l.entries, l.looked = horizon, entries, false
+  stage_set(s, l.name, fmt_time(now) .. ';' .. fmt(horizon) .. ';' .. entries)
+  if time == false then want_ttl(s, OP_TOMBSTONE_MS) end
+end
+
+-- Drops client fields idle for OP_RETENTION_MS (their clients are gone).
+-- Beyond OP_CLIENTS fields, the least recently written go (a fleet of short-lived workers
+-- must not pile up ledgers in a busy key); a dropped ledger can only make an undo of its
+-- client credit nothing, erring toward refusing.
+local function op_prune(s)
+  local live = {}
+  for name, value in pairs(s.fields) do
+    if string.sub(name, 1, 2) == 'o:' then
+      local last = tonumber(string.match(value, '^(%d+);')) or 0
+      if last + OP_RETENTION_MS * 1000 < now then
+        stage_del(s, name)
+      else
+        live[#live + 1] = {name = name, last = last}
+      end
+    end
+  end
+  if #live > OP_CLIENTS then
+    table.sort(live, function(a, b) return a.last < b.last end)
+    for i = 1, #live - OP_CLIENTS do
+      if not (op_client and live[i].name == op_field) then stage_del(s, live[i].name) end
+    end
+  end
+end
+
+-- Writes what the call staged: one HSET, one HDEL and (about once a second) one PEXPIRE per
+-- main key.
+local function flush()
+  for i = 1, nmains do
+    local s = MAINS[i]
+    if s.dirty then
+      local t = now_for(s)
+      stage_set(s, 't', fmt_time(t))
+      -- The TTL only ever needs to grow; it is set with TTL_STEP_MS to spare and the expiry
+      -- (in this key's time) kept in "x", so a busy key pays PEXPIRE about once a second.
+      local expiry = t + (s.ttl_ms + slack) * 1000
+      local ttl = nil
+      if expiry > (tonumber(s.fields['x']) or 0) then
+        ttl = s.ttl_ms + slack + TTL_STEP_MS
+        stage_set(s, 'x', fmt(t + ttl * 1000))
+      end
+      -- Client ledgers are pruned when a new one is written (so OP_CLIENTS holds exactly)
+      -- and otherwise with the TTL, about once every TTL_STEP_MS on a busy key: idle ones
+      -- are kept for minutes, so that is soon enough, and the scan of every field is not
+      -- paid on every call.
+      if ttl or s.new_ledger then op_prune(s) end
+      local hset, n = {}, 0
+      for field, value in pairs(s.set) do
+        hset[n + 1] = field
+        hset[n + 2] = value
+        n = n + 2
+      end
+      if n <= BATCH then
+        redis.call('HSET', s.key, unpack(hset, 1, n))
+      else
+        call_batched('HSET', s.key, nil, hset)
+      end
+      if s.del then
+        local hdel = {}
+        for field, _ in pairs(s.del) do hdel[#hdel + 1] = field end
+        call_batched('HDEL', s.key, nil, hdel)
+      end
+      if ttl then redis.call('PEXPIRE', s.key, ttl) end
+    end
+  end
+end
+
+-- Every pair's check for weight w: the reply, and whether every pair allows.
+local function decide_all(w)
+  local reply = {0, 0, now}
+  local all = true
+  local base = 4
+  for i = 1, npairs do
+    local pair = PAIRS[i]
+    local s = pair.s
+    local t = s.t
+    if t < now then t = now end
+    local ok, remaining, retry, reset = pair.algo.check(s, pair, t, w, max_wait)
+    if not ok then all = false end
+    reply[base] = ok and 1 or 0
+    reply[base + 1] = remaining
+    reply[base + 2] = retry
+    reply[base + 3] = reset
+    base = base + 4
+  end
+  reply[1] = all and 1 or 0
+  if not all and w > 0 then
+    -- Refused: nothing is charged, so the pairs that would allow report their state as it
+    -- is (an allowing check reports the state after its charge).
+    for i = 1, npairs do
+      local pair = PAIRS[i]
+      local base_i = 4 + 4 * (i - 1)
+      if reply[base_i] == 1 then
+        local _, remaining, _, reset = pair.algo.check(pair.s, pair, now_for(pair.s), 0, 0)
+        reply[base_i + 1] = remaining
+        reply[base_i + 3] = reset
+      end
+    end
+  end
+  return reply, all
+end
+
 -- One call. Loaded with EVAL the script ends with `return decide(KEYS, ARGV)`; as a FUNCTION
 -- library, the registered function calls it (aiolimit/_calls.py builds both from these files).
 local function decide(KEYS, ARGV)
   loaded = {}
-  CALL.slack = tonumber(ARGV[4]) or 0
+  now_text = nil
+  slack = tonumber(ARGV[4])
+  CALL.slack = slack or 0
   local mode = ARGV[1]
-  local now
   if ARGV[2] == '' then
     local t = redis.call('TIME')
     now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -105,29 +371,41 @@ local function decide(KEYS, ARGV)
     now = tonumber(ARGV[2])
   end
   local weight = tonumber(ARGV[3])
-  local slack = tonumber(ARGV[4])
-  local op = ARGV[5]
-  local penalty = string.find(ARGV[6], 'p', 1, true) ~= nil
-  local max_wait = tonumber(string.match(ARGV[6], 'r(%d+)')) or 0
+  op = ARGV[5]
+  local flags = ARGV[6]
+  local penalty = false
+  max_wait = 0
+  if flags ~= '' then
+    penalty = string.find(flags, 'p', 1, true) ~= nil
+    max_wait = tonumber(string.match(flags, 'r(%d+)')) or 0
+  end
 
-  local pairs_ = {}
-  local npairs = 0
+  local previous = npairs
+  npairs = 0
   local key_base = 0
   for b = 1, tonumber(ARGV[7]) do
     local block, err = parse_block(ARGV[7 + b])
     if not block then return redis.error_reply(err) end
-    for _, spec in ipairs(block.specs) do
+    local specs = block.specs
+    for j = 1, #specs do
+      local spec = specs[j]
       npairs = npairs + 1
-      pairs_[npairs] = {
-        main = KEYS[key_base + 1],
-        aux = spec.aux > 0 and KEYS[key_base + spec.aux] or nil,
-        code = spec.code, letter = spec.letter, algo = spec.algo, amount = spec.amount,
-        period_s = spec.period_s, period = spec.period, param_s = spec.param_s,
-        param = spec.param,
-      }
+      local pair = PAIRS[npairs]
+      if not pair then
+        pair = {}
+        PAIRS[npairs] = pair
+      end
+      pair.spec = spec
+      pair.main = KEYS[key_base + 1]
+      pair.aux = spec.aux > 0 and KEYS[key_base + spec.aux] or nil
+      pair.code, pair.letter, pair.algo = spec.code, spec.letter, spec.algo
+      pair.amount, pair.period, pair.param = spec.amount, spec.period, spec.param
+      pair.period_s, pair.param_s = spec.period_s, spec.param_s
+      pair.s = nil
     end
     key_base = key_base + block.nkeys
   end
+  for i = npairs + 1, previous do PAIRS[i].s = nil end  -- let go of an earlier call's keys
 
   -- Everything a write could trip on is checked before the first write: Redis keeps the writes
   -- of a script that fails half-way, so a late error would break all or nothing.
@@ -136,250 +414,47 @@ local function decide(KEYS, ARGV)
   end
   if mode == 'acquire' and op == '' then
     for i = 1, npairs do
-      if pairs_[i].code == 'lease' then
+      if PAIRS[i].code == 'lease' then
         return redis.error_reply('ERR aiolimit: a lease needs an op id')
       end
     end
   end
 
-  -- Each identifier judges by max(now, its last write): its time never runs backwards.
-  local mains = {}
-  local function now_for(s)
-    if s.t > now then return s.t end
-    return now
-  end
+  previous = nmains
+  nmains = 0
   for i = 1, npairs do
-    local s = load_main(pairs_[i].main)
-    if not mains[s.key] then
-      mains[s.key] = s
-      mains[#mains + 1] = s
+    local pair = PAIRS[i]
+    local s = load_main(pair.main)
+    if not s.listed then
+      s.listed = true
+      nmains = nmains + 1
+      MAINS[nmains] = s
     end
-    pairs_[i].s = s
+    pair.s = s
   end
+  for i = nmains + 1, previous do MAINS[i] = nil end
 
-  local op_prune
-
-  local function flush()
-    for _, s in ipairs(mains) do
-      if s.dirty then
-        local t = now_for(s)
-        stage_set(s, 't', fmt(t))
-        -- The TTL only ever needs to grow; it is set with TTL_STEP_MS to spare and the expiry
-        -- (in this key's time) kept in "x", so a busy key pays PEXPIRE about once a second.
-        local expiry = t + (s.ttl_ms + slack) * 1000
-        local ttl = nil
-        if expiry > (tonumber(s.fields['x']) or 0) then
-          ttl = s.ttl_ms + slack + TTL_STEP_MS
-          stage_set(s, 'x', fmt(t + ttl * 1000))
-        end
-        -- Client ledgers are pruned when a new one is written (so OP_CLIENTS holds exactly)
-        -- and otherwise with the TTL, about once every TTL_STEP_MS on a busy key: idle ones
-        -- are kept for minutes, so that is soon enough, and the scan of every field is not
-        -- paid on every call.
-        if op_prune and (ttl or s.new_ledger) then op_prune(s) end
-        local hset = {}
-        for field, value in pairs(s.set) do
-          hset[#hset + 1] = field
-          hset[#hset + 1] = value
-        end
-        call_batched('HSET', s.key, nil, hset)
-        local hdel = {}
-        for field, _ in pairs(s.del) do hdel[#hdel + 1] = field end
-        call_batched('HDEL', s.key, nil, hdel)
-        if ttl then redis.call('PEXPIRE', s.key, ttl) end
-      end
-    end
-  end
-
-  -- Exactly-once bookkeeping (see ARGV[5]).
-  local op_client, op_stamp, op_open, op_floor = nil, 0, {}, 0
+  op_client, op_stamp, op_floor, op_open_text = nil, 0, 0, ''
   if op ~= '' then
     local client, stamp, open = string.match(op, '^(%w+):(%d+):([%d,]*)$')
     if not client then return redis.error_reply('ERR aiolimit: bad op ' .. op) end
     op_client, op_stamp = client, tonumber(stamp)
     op_floor = op_stamp
-    for value in string.gmatch(open, '%d+') do
-      value = tonumber(value)
-      op_open[value] = true
-      if value < op_floor then op_floor = value end
-    end
+    op_open_text = open
+    -- The open stamps are ascending (aiolimit/_ops.py sorts them): the first is the oldest.
+    local oldest = tonumber(string.match(open, '%d+'))
+    if oldest and oldest < op_floor then op_floor = oldest end
+    op_field = 'o:' .. client
+    op_entry = fmt(op_stamp) .. '@'
     op = client .. ':' .. stamp
-  end
-
-  -- This client's ledger in main key s: its horizon, and its entries as text. The entries are
-  -- never parsed one by one on the common path: a call's cost must not grow with the ops in
-  -- flight on an identifier (searches and copies of the text run in C).
-  local function ledger(s)
-    if s.ledger then return s.ledger end
-    local l = {name = 'o:' .. op_client, horizon = 0, entries = ''}
-    local raw = s.fields[l.name]
-    if raw then
-      local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
-      l.horizon = tonumber(horizon) or 0
-      l.entries = entries or ''
-    else
-      s.new_ledger = true
-    end
-    s.ledger = l
-    return l
-  end
-
-  -- What a ledger recorded for a stamp: its time (applied), false (undone), or nil (nothing).
-  local function ledger_at(l, stamp)
-    local entries, key = l.entries, fmt(stamp) .. '@'
-    local from = 1
-    local at
-    while true do  -- a plain search (memchr speed), then a check that it starts an entry
-      local first, last = string.find(entries, key, from, true)
-      if not first then return nil end
-      if first == 1 or string.sub(entries, first - 1, first - 1) == ',' then
-        at = string.match(entries, '^[%d-]+', last + 1)
-        break
-      end
-      from = last + 1
-    end
-    if at == nil then return nil end
-    if at == '-' then return false end
-    return tonumber(at)
-  end
-
-  -- What this op is to main key s: 'new', 'applied' (and when), or 'settled' (undone here,
-  -- or at or below the horizon: its client knows its outcome, so a copy arriving now is late).
-  local function op_state(s)
-    local l = ledger(s)
-    if op_stamp <= l.horizon then return 'settled' end
-    local at = ledger_at(l, op_stamp)
-    if at == nil then return 'new' end
-    if at == false then return 'settled' end
-    return 'applied', at
-  end
-
-  -- What this op is to the call's keys together. They are written together, but one key may
-  -- have expired (its ledger with it) while another lives on: 'applied' anywhere means the op
-  -- ran, else 'settled' anywhere means it may not run, else it is 'new'.
-  local function op_state_all()
-    local settled = false
-    for _, s in ipairs(mains) do
-      local state = op_state(s)
-      if state == 'applied' then return 'applied' end
-      if state == 'settled' then settled = true end
-    end
-    if settled then return 'settled' end
-    return 'new'
-  end
-
-  -- Records this op in main key s (time µs, or false for undone) and stages the field. The
-  -- horizon rises to just below the oldest open stamp, and the entries it passed go from the
-  -- front (they arrive in stamp order, near enough: each entry is dropped once, so this costs
-  -- O(1) a call over time). Entries of settled ops above the horizon stay until it passes
-  -- them. Past OP_KEEP_BYTES (a stuck op and much traffic behind it) the oldest entries go,
-  -- except the open ones the call names and the undone ones: a dropped op's undo would then
-  -- credit nothing, and a resent copy of it would charge again (both err toward refusing).
-  -- A key that records an undo lives at least OP_TOMBSTONE_MS, so a late copy finds it.
-  local function op_record(s, time)
-    local l = ledger(s)
-    local horizon = l.horizon
-    if op_floor - 1 > horizon then horizon = op_floor - 1 end
-    local when = '-'
-    if time then when = fmt(time) end
-    local entry = fmt(op_stamp) .. '@' .. when
-    local entries = l.entries
-    if ledger_at(l, op_stamp) ~= nil then
-      local text = string.gsub(',' .. entries .. ',', ',' .. fmt(op_stamp) .. '@[%d-]+,',
-                               ',' .. entry .. ',', 1)
-      entries = string.sub(text, 2, -2)
-    elseif entries == '' then
-      entries = entry
-    else
-      entries = entries .. ',' .. entry
-    end
-    local cut = 1
-    while true do
-      local _, last, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
-      if not last or tonumber(stamp) > horizon then break end
-      cut = last + 1
-    end
-    if cut > 1 then entries = string.sub(entries, cut) end
-    if #entries > OP_KEEP_BYTES then
-      local kept, size = {}, 0
-      local all = {}
-      for stamp, at in string.gmatch(entries, '(%d+)@([%d-]+)') do
-        all[#all + 1] = {tonumber(stamp), stamp .. '@' .. at, at == '-'}
-      end
-      for i = #all, 1, -1 do  -- newest first: keep what fits, and always the protected
-        local e = all[i]
-        if e[1] > horizon and (size < OP_KEEP_BYTES / 2 or op_open[e[1]] or e[3]) then
-          kept[#kept + 1] = e
-          size = size + #e[2] + 1
-        end
-      end
-      table.sort(kept, function(x, y) return x[1] < y[1] end)
-      local text = {}
-      for i, e in ipairs(kept) do text[i] = e[2] end
-      entries = table.concat(text, ',')
-    end
-    l.horizon, l.entries = horizon, entries
-    stage_set(s, l.name, fmt(now) .. ';' .. fmt(horizon) .. ';' .. entries)
-    if time == false then want_ttl(s, OP_TOMBSTONE_MS) end
-  end
-
-  -- Drops client fields idle for OP_RETENTION_MS (their clients are gone).
-  -- Beyond OP_CLIENTS fields, the least recently written go (a fleet of short-lived workers
-  -- must not pile up ledgers in a busy key); a dropped ledger can only make an undo of its
-  -- client credit nothing, erring toward refusing.
-  op_prune = function(s)
-    local live = {}
-    for name, value in pairs(s.fields) do
-      if string.sub(name, 1, 2) == 'o:' then
-        local last = tonumber(string.match(value, '^(%d+);')) or 0
-        if last + OP_RETENTION_MS * 1000 < now then
-          stage_del(s, name)
-        else
-          live[#live + 1] = {name = name, last = last}
-        end
-      end
-    end
-    if #live > OP_CLIENTS then
-      table.sort(live, function(a, b) return a.last < b.last end)
-      for i = 1, #live - OP_CLIENTS do
-        if not (op_client and live[i].name == 'o:' .. op_client) then stage_del(s, live[i].name) end
-      end
-    end
-  end
-
-  local function decide_all(w)
-    local reply = {0, 0, now}
-    local all = true
-    for i, pair in ipairs(pairs_) do
-      local ok, remaining, retry, reset = pair.algo.check(pair.s, pair, now_for(pair.s), w, max_wait)
-      if not ok then all = false end
-      local base = 4 + 4 * (i - 1)
-      reply[base] = ok and 1 or 0
-      reply[base + 1] = remaining
-      reply[base + 2] = retry
-      reply[base + 3] = reset
-    end
-    reply[1] = all and 1 or 0
-    if not all and w > 0 then
-      -- Refused: nothing is charged, so the pairs that would allow report their state as it
-      -- is (an allowing check reports the state after its charge).
-      for i, pair in ipairs(pairs_) do
-        local base = 4 + 4 * (i - 1)
-        if reply[base] == 1 then
-          local _, remaining, _, reset = pair.algo.check(pair.s, pair, now_for(pair.s), 0, 0)
-          reply[base + 1] = remaining
-          reply[base + 3] = reset
-        end
-      end
-    end
-    return reply, all
   end
 
   if mode == 'check' or mode == 'peek' then
     local reply, all = decide_all(weight)
     if mode == 'peek' and all and weight > 0 then
       -- Nothing is charged: report what is left now, as a refusal already does.
-      for i, pair in ipairs(pairs_) do
+      for i = 1, npairs do
+        local pair = PAIRS[i]
         local base = 4 + 4 * (i - 1)
         local _, remaining, _, reset = pair.algo.check(pair.s, pair, now_for(pair.s), 0, 0)
         reply[base + 1] = remaining
@@ -401,14 +476,19 @@ local function decide(KEYS, ARGV)
     end
     local reply, all = decide_all(weight)
     if all or penalty then
-      for _, pair in ipairs(pairs_) do
-        if all or not pair.algo.penalty_free then
-          pair.algo.charge(pair.s, pair, now_for(pair.s), weight, op, all and max_wait > 0,
-                           not all)
+      local reserved = all and max_wait > 0
+      for i = 1, npairs do
+        local pair = PAIRS[i]
+        local algo = pair.algo
+        if all or not algo.penalty_free then
+          algo.charge(pair.s, pair, now_for(pair.s), weight, op, reserved, not all)
         end
       end
       if op_client then
-        for _, s in ipairs(mains) do op_record(s, now_for(s)) end
+        for i = 1, nmains do
+          local s = MAINS[i]
+          op_record(s, now_for(s))
+        end
       end
       flush()
     end
@@ -430,7 +510,8 @@ local function decide(KEYS, ARGV)
         if state == 'applied' then
           -- Credit each key at the time the op charged it; a key that lost its entry (it
           -- expired since) lost that charge with it: nothing to credit there.
-          for _, s in ipairs(mains) do
+          for i = 1, nmains do
+            local s = MAINS[i]
             local kind, charged = op_state(s)
             if kind == 'applied' then at[s.key] = charged end
           end
@@ -439,18 +520,20 @@ local function decide(KEYS, ARGV)
         end
         -- Undone here: a late or resent copy of the op cannot charge any more.
         if state ~= 'settled' then
-          for _, s in ipairs(mains) do op_record(s, false) end
+          for i = 1, nmains do op_record(MAINS[i], false) end
         end
       end
     end
     if replay == 0 then
-      for _, pair in ipairs(pairs_) do
+      for i = 1, npairs do
+        local pair = PAIRS[i]
         if mode == 'refund' or at[pair.s.key] then
           pair.algo.refund(pair.s, pair, now_for(pair.s), weight, at[pair.s.key], op)
         end
       end
       if mode == 'refund' and op_client then  -- (a key that did not exist has nothing to refund)
-        for _, s in ipairs(mains) do
+        for i = 1, nmains do
+          local s = MAINS[i]
           if s.existed then op_record(s, now_for(s)) end
         end
       end
@@ -468,12 +551,14 @@ local function decide(KEYS, ARGV)
     -- holder's slot by now, so it is not brought back (the reply's allowed is 0 then).
     local held = true
     if mode == 'renew' then
-      for _, pair in ipairs(pairs_) do
+      for i = 1, npairs do
+        local pair = PAIRS[i]
         if pair.algo.held and not pair.algo.held(pair, now_for(pair.s), op) then held = false end
       end
     end
     if held then
-      for _, pair in ipairs(pairs_) do
+      for i = 1, npairs do
+        local pair = PAIRS[i]
         local action = pair.algo[mode]
         if action then action(pair.s, pair, now_for(pair.s), weight, op) end
       end

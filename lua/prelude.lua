@@ -13,7 +13,8 @@
 
 -- Loaded as a FUNCTION library (Redis 7+, Valkey) everything up to decide() is built once per
 -- server and kept between calls; run with EVAL it is built on every call. So state that
--- belongs to one call lives only in CALL and `loaded`, which decide() resets first.
+-- belongs to one call lives only in CALL, `loaded` and decide.lua's call state, which decide()
+-- resets first.
 local CALL = {slack = 0}  -- this call's TTL slack, ms (ARGV[4])
 local ALGORITHMS = {}  -- code -> {check, charge, refund[, release, renew]}
 local FACTORIES = {}  -- code -> function building that table
@@ -68,24 +69,35 @@ local function load_main(key)
   for i = 1, #flat, 2 do
     fields[flat[i]] = flat[i + 1]
   end
+  -- set and del (the staged writes) are made on the first write: a check writes nothing.
   s = {key = key, fields = fields, t = tonumber(fields['t']) or 0, existed = #flat > 0,
-       set = {}, del = {}, ttl_ms = 0, dirty = false}
+       set = nil, del = nil, ttl_ms = 0, dirty = false}
   loaded[key] = s
   return s
 end
 
 local function stage_set(s, field, value)
   s.fields[field] = value
-  s.set[field] = value
-  s.del[field] = nil
+  local set = s.set
+  if not set then
+    set = {}
+    s.set = set
+  end
+  set[field] = value
+  if s.del then s.del[field] = nil end
   s.dirty = true
 end
 
 local function stage_del(s, field)
   if s.fields[field] ~= nil then
     s.fields[field] = nil
-    s.set[field] = nil
-    s.del[field] = true
+    if s.set then s.set[field] = nil end
+    local del = s.del
+    if not del then
+      del = {}
+      s.del = del
+    end
+    del[field] = true
     s.dirty = true
   end
 end

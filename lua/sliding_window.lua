@@ -71,32 +71,44 @@ FACTORIES.sw = function()
     end
   end
 
-  -- The start of the last record (records are under 64 bytes).
-  local function last_rec(rest)
-    local start = 1
-    local comma = string.find(rest, ',', math.max(1, #rest - 64), true)
-    while comma do
-      start = comma + 1
-      comma = string.find(rest, ',', start, true)
+  -- Sets the newest record's fields of b from b.rest (nil: the field is empty): where it
+  -- starts (last), where its ":" is (colon), its bucket index (newest) and running total.
+  -- Records are under 64 bytes, so the last "," is in the last 64 (one match, from the end).
+  -- The first record's fields (first_off, first_c) are read again when next asked for.
+  local function sw_tail(b)
+    local rest = b.rest
+    b.first_off, b.first_c = nil, nil
+    if rest then
+      local from = #rest - 64
+      if from < 1 then from = 1 end
+      local last, offset, colon, c = string.match(rest, '.*,()(%d+)():(%d+)$', from)
+      if not last then last, offset, colon, c = string.match(rest, '^()(%d+)():(%d+)$') end
+      b.last, b.colon, b.newest, b.total = last, colon, b.base + tonumber(offset), tonumber(c)
+    else
+      b.base, b.c0, b.last, b.colon, b.newest, b.total = nil, 0, nil, nil, nil, 0
     end
-    return start
   end
 
-  -- Sets the newest record's fields of b from b.rest (nil: the field is empty).
-  local function sw_tail(b)
-    if b.rest then
-      b.last = last_rec(b.rest)
-      local offset, c = rec(b.rest, b.last)
-      b.newest, b.total = b.base + offset, c
-    else
-      b.base, b.c0, b.last, b.newest, b.total = nil, 0, nil, nil, 0
+  -- The first record's offset and running total (b.rest is not nil).
+  local function first_rec(b)
+    local offset = b.first_off
+    if not offset then
+      offset, b.first_c = rec(b.rest, 1)
+      b.first_off = offset
     end
+    return offset, b.first_c
   end
 
   -- The limit's stored field, parsed only as far as its ends. Cached per call, shared by the
   -- pairs of that limit.
   local function sw_state(s, pair)
-    local name = sw_name(pair)
+    local spec = pair.spec  -- what depends on the spec alone is made once per spec
+    local name = spec.sw_name
+    if not name then
+      name = sw_name(pair)
+      spec.sw_name = name
+      spec.sw_n = math.ceil(pair.period / pair.param)
+    end
     local cache = s.sw
     if not cache then
       cache = {}
@@ -107,8 +119,12 @@ FACTORIES.sw = function()
       b = {name = name}
       local raw = s.fields[name]
       if raw then
-        local base, c0, rest = string.match(raw, '^(%d+)|(%d+)|(.+)$')
-        if base then b.base, b.c0, b.rest = tonumber(base), tonumber(c0), rest end
+        local head, base, c0, rest = string.match(raw, '^((%d+)|(%d+)|)(.+)$')
+        if base then
+          b.base, b.c0, b.rest = tonumber(base), tonumber(c0), rest
+          -- The stored "<base>|<c0>|", written again as is while base and c0 stay.
+          b.head, b.head_base, b.head_c0 = head, b.base, b.c0
+        end
       end
       sw_tail(b)
       cache[name] = b
@@ -118,7 +134,11 @@ FACTORIES.sw = function()
 
   local function sw_store(s, b)
     if b.rest then
-      stage_set(s, b.name, fmt(b.base) .. '|' .. fmt(b.c0) .. '|' .. b.rest)
+      local head = b.head
+      if not head or b.head_base ~= b.base or b.head_c0 ~= b.c0 then
+        head = fmt(b.base) .. '|' .. fmt(b.c0) .. '|'
+      end
+      stage_set(s, b.name, head .. b.rest)
     else
       stage_del(s, b.name)
     end
@@ -126,14 +146,14 @@ FACTORIES.sw = function()
 
   local function sw_geometry(pair, now)
     local p = pair.param
-    local n = math.ceil(pair.period / p)
-    return p, n, math.floor(now / p)
+    return p, pair.spec.sw_n, math.floor(now / p)
   end
 
   -- Weight in the buckets after index lo, the running total before them, and the start of
   -- the newest record at or before lo (nil if none).
   local function sw_count(b, lo)
     if not b.rest or b.newest <= lo then return 0, b.total, nil end
+    if b.base + first_rec(b) > lo then return b.total - b.c0, b.c0, nil end
     local at = last_at_most(b.rest, 1, lo - b.base)
     local before = b.c0
     if at then before = select(2, rec(b.rest, at)) end
@@ -142,7 +162,7 @@ FACTORIES.sw = function()
 
   -- Drops the records of buckets at or before index lo (they left the window).
   local function sw_trim(b, lo)
-    if not b.rest or b.base + rec(b.rest, 1) > lo then return end
+    if not b.rest or b.base + first_rec(b) > lo then return end
     if b.newest <= lo then
       b.rest = nil
     else
@@ -196,15 +216,21 @@ FACTORIES.sw = function()
       local b = sw_state(s, pair)
       local p, n, cur = sw_geometry(pair, now)
       sw_trim(b, cur - n)
+      -- The newest record is rewritten or one appended; the tail fields follow without a parse.
+      local total = b.total + weight
       if not b.rest then
         b.base, b.c0, b.rest = cur, 0, '0:' .. fmt(weight)
+        b.last, b.colon, b.first_off, b.first_c = 1, 2, 0, weight
       elseif b.newest == cur then
-        b.rest = string.sub(b.rest, 1, b.last - 1) .. fmt(cur - b.base) .. ':'
-                 .. fmt(b.total + weight)
+        b.rest = string.sub(b.rest, 1, b.colon) .. fmt(total)
+        if b.last == 1 then b.first_c = total end
       else
-        b.rest = b.rest .. ',' .. fmt(cur - b.base) .. ':' .. fmt(b.total + weight)
+        local offset = fmt(cur - b.base)
+        local last = #b.rest + 2
+        b.rest = b.rest .. ',' .. offset .. ':' .. fmt(total)
+        b.last, b.colon = last, last + #offset
       end
-      sw_tail(b)
+      b.newest, b.total = cur, total
       sw_store(s, b)
       want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
     end,
