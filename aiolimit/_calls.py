@@ -204,6 +204,8 @@ class Library:
     code: str
     name: str
     function: str
+    #: Several calls in one FCALL (``decide_many`` in ``lua/decide.lua``): ``pack_many``.
+    many: str
 
 
 def _definitions() -> str:
@@ -228,9 +230,12 @@ def decide_library() -> Library:
     digest = hashlib.sha1(definitions.encode("utf-8")).hexdigest()[:16]
     name = f"aiolimit_{digest}"
     function = f"aiolimit_decide_{digest}"
+    many = f"aiolimit_many_{digest}"
     code = (
         f"#!lua name={name}\n{definitions}\n"
         f"redis.register_function('{function}', function(keys, args)\n"
         "  return decide(keys, args)\nend)\n"
+        f"redis.register_function('{many}', function(keys, args)\n"
+        "  return decide_many(keys, args)\nend)\n"
     )
-    return Library(code, name, function)
+    return Library(code, name, function, many)

@@ -110,6 +110,7 @@ local max_wait = 0  -- ARGV[6]'s r<µs>, 0 for none
 -- none of them.
 local PAIRS, npairs = {}, 0
 local MAINS, nmains = {}, 0
+local call_seq = 0  -- counts calls (a batch's each): what was looked up per call is redone
 
 local now_text = nil  -- fmt(now), made once per call when first needed
 
@@ -132,9 +133,17 @@ end
 -- never parsed one by one on the common path: a call's cost must not grow with the ops in
 -- flight on an identifier (searches and copies of the text run in C).
 local function ledger(s)
-  local l = s.ledger
-  if l then return l end
-  l = {name = op_field, horizon = 0, entries = '', looked = false, at = nil}
+  local ledgers = s.ledgers
+  if not ledgers then
+    ledgers = {}
+    s.ledgers = ledgers
+  end
+  local l = ledgers[op_field]
+  if l then
+    if l.seq ~= call_seq then l.seq, l.looked = call_seq, false end  -- another op now
+    return l
+  end
+  l = {name = op_field, horizon = 0, entries = '', looked = false, at = nil, seq = call_seq}
   local raw = s.fields[op_field]
   if raw then
     local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
@@ -143,7 +152,7 @@ local function ledger(s)
   else
     s.new_ledger = true
   end
-  s.ledger = l
+  ledgers[op_field] = l
   return l
 end
 
@@ -317,6 +326,9 @@ local function flush()
         call_batched('HDEL', s.key, nil, hdel)
       end
       if ttl then redis.call('PEXPIRE', s.key, ttl) end
+      -- Written: a later call of the same batch goes on from here, as if it had loaded it.
+      s.t, s.existed, s.dirty, s.ttl_ms = t, true, false, 0
+      s.set, s.del, s.new_ledger = nil, nil, nil
     end
   end
 end
@@ -358,15 +370,23 @@ end
 
 -- One call. Loaded with EVAL the script ends with `return decide(KEYS, ARGV)`; as a FUNCTION
 -- library, the registered function calls it (aiolimit/_calls.py builds both from these files).
-local function decide(KEYS, ARGV)
-  loaded = {}
+-- `batch` is given by decide_many (below) only: the main keys stay loaded from one call of the
+-- batch to the next, and the server's TIME is read once per batch.
+local function decide(KEYS, ARGV, batch)
+  call_seq = call_seq + 1
+  if not batch then loaded = {} end
   now_text = nil
   slack = tonumber(ARGV[4])
   CALL.slack = slack or 0
   local mode = ARGV[1]
   if ARGV[2] == '' then
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    if batch and batch.now then
+      now = batch.now
+    else
+      local t = redis.call('TIME')
+      now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+      if batch then batch.now = now end
+    end
   else
     now = tonumber(ARGV[2])
   end
@@ -425,8 +445,8 @@ local function decide(KEYS, ARGV)
   for i = 1, npairs do
     local pair = PAIRS[i]
     local s = load_main(pair.main)
-    if not s.listed then
-      s.listed = true
+    if s.listed ~= call_seq then
+      s.listed = call_seq
       nmains = nmains + 1
       MAINS[nmains] = s
     end
@@ -570,4 +590,54 @@ local function decide(KEYS, ARGV)
   end
 
   return redis.error_reply('ERR aiolimit: unknown mode ' .. tostring(mode))
+end
+
+-- Several calls in one: what a pipeline of single calls would do, in one script run.
+-- ARGV[1]   n, the number of calls; then per call: its number of keys, its number of
+--           arguments, and those arguments (as a single call's ARGV). KEYS: every call's keys,
+--           in call order.
+-- Reply: n replies, each a single call's reply or its error.
+-- Each call is decided and written in turn, exactly as alone, but a main key is read once
+-- per batch (later calls go on from the state the earlier ones wrote) and TIME once: a
+-- script run, its TIME and its HGETALLs are most of a small call's server time. A call that
+-- fails part way (an error raised, not returned) is that call's error reply; what the batch
+-- holds loaded is then dropped and read again, so no later call sees a write it did not make.
+local function decide_many(KEYS, ARGV)
+  local n = tonumber(ARGV[1])
+  if not n or n < 0 or n % 1 ~= 0 then
+    return redis.error_reply('ERR aiolimit: bad call count ' .. tostring(ARGV[1]))
+  end
+  -- The whole layout is checked before the first call runs: a bad one runs nothing.
+  local starts = {}
+  local k, a = 0, 2
+  for c = 1, n do
+    local nkeys, nargs = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+    if not nkeys or not nargs or nkeys < 0 or nargs < 0 or nkeys % 1 ~= 0 or nargs % 1 ~= 0
+       or k + nkeys > #KEYS or a + 1 + nargs > #ARGV then
+      return redis.error_reply('ERR aiolimit: bad batch layout at call ' .. c)
+    end
+    starts[c] = {k, a, nkeys, nargs}
+    k, a = k + nkeys, a + 2 + nargs
+  end
+  local batch = {now = nil}
+  local replies = {}
+  loaded = {}
+  for c = 1, n do
+    local at = starts[c]
+    local keys, args = {}, {}
+    for i = 1, at[3] do keys[i] = KEYS[at[1] + i] end
+    for i = 1, at[4] do args[i] = ARGV[at[2] + 1 + i] end
+    local ok, reply = pcall(decide, keys, args, batch)
+    if ok then
+      replies[c] = reply
+    else
+      if type(reply) == 'table' and reply.err then
+        replies[c] = reply
+      else
+        replies[c] = redis.error_reply('ERR aiolimit: ' .. tostring(reply))
+      end
+      loaded = {}
+    end
+  end
+  return replies
 end

@@ -31,6 +31,14 @@ def script_usec_per_call(commandstats: dict[str, dict[str, float]]) -> float:
     return usec / calls if calls else 0.0
 
 
+def script_usec_per_decision(commandstats: dict[str, dict[str, float]], decisions: int) -> float:
+    """Server µs of script time per decision: concurrent decisions may share one call (the
+    standalone store sends a pipeline as one FCALL of decide_many)."""
+    usec = sum(commandstats[name]["usec"] for name in ("cmdstat_fcall", "cmdstat_evalsha")
+               if name in commandstats)  # fmt: skip
+    return usec / decisions
+
+
 def told_admitted(outcome: object) -> bool:
     return isinstance(outcome, Decision) and outcome.allowed and not outcome.degraded
 
@@ -127,20 +135,22 @@ async def test_server_time_per_call_grows_with_concurrent_calls_on_one_identifie
             for _ in range(200):
                 assert told_admitted(await limiter.try_acquire("key:popular"))
         stats = await redis.info("commandstats")
-        per_call[1] = script_usec_per_call(stats)
+        per_call[1] = script_usec_per_decision(stats, 200)
         await redis.config_resetstat()
         outcomes = await _burst(url, f"{prefix}1500", 1500, 60.0)
         assert all(map(told_admitted, outcomes))
         stats = await redis.info("commandstats")
-        per_call[1500] = script_usec_per_call(stats)
+        per_call[1500] = script_usec_per_decision(stats, 1500)
     finally:
         await redis.aclose()
-    print(f"\n[server us per call] {per_call}")
+    print(f"\n[server us per decision] {per_call}")
     # Bounded: an op names at most 32 open stamps and a client's ledger in a key is capped
     # (OP_KEEP_BYTES), so 1,500 calls in flight cost a small multiple of a lone call (~5x
-    # here: 19 -> 106 us), where the O(C) ledger cost 27x at C=1000. (The bound was 5x while a
-    # lone call cost 26 us; the lone call got cheaper, the capped ledger did not.)
-    assert per_call[1500] < 10 * per_call[1], f"server us per call: {per_call}"
+    # once: 19 -> 106 us), where the O(C) ledger cost 27x at C=1000. (The bound was 5x while a
+    # lone call cost 26 us; the lone call got cheaper, the capped ledger did not.) Per
+    # decision, not per script call: the burst's pipelines go as one FCALL of decide_many
+    # each (36.6 -> 42.9 us per decision when that landed).
+    assert per_call[1500] < 10 * per_call[1], f"server us per decision: {per_call}"
 
 
 @pytest.mark.slow

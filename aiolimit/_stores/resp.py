@@ -95,6 +95,37 @@ def pack_calls(head: bytes, head_words: int, calls: Iterable[ScriptCall]) -> byt
     return b"".join(pack_call(head, head_words, call.keys, call.args) for call in calls)
 
 
+def pack_many(head: bytes, calls: Sequence[ScriptCall]) -> bytes:
+    """Several calls as one call of ``decide_many`` (``lua/decide.lua``): ``head`` (two words,
+    FCALL and the function), the key count, every call's keys, then the number of calls and,
+    per call, its key count, its argument count and its arguments."""
+    cached = _PACKED.get
+    keys: list[bytes] = []
+    add_key = keys.append
+    args: list[bytes] = []
+    add_arg = args.append
+    for call in calls:
+        call_keys = call.keys
+        call_args = call.args
+        for key in call_keys:
+            add_key(cached(key) or _repeated(key))
+        add_arg(cached(len(call_keys)) or _packed(len(call_keys)))
+        add_arg(cached(len(call_args)) or _packed(len(call_args)))
+        for value in call_args:
+            add_arg(cached(value) or _packed(value))
+    words = 2 + 1 + len(keys) + 1 + len(args)
+    return b"".join(
+        (
+            b"*%d\r\n" % words,
+            head,
+            cached(len(keys)) or _packed(len(keys)),
+            *keys,
+            cached(len(calls)) or _packed(len(calls)),
+            *args,
+        )
+    )
+
+
 async def read_replies(connection: Any, count: int, into: list[Any] | None = None) -> list[Any]:
     """The next ``count`` replies on ``connection``, in order, appended to ``into`` (a new
     list if None) as they come; an error reply (NOSCRIPT, MOVED, ...) is that call's result,

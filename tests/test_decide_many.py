@@ -1,0 +1,209 @@
+"""decide_many (lua/decide.lua): a pipeline's calls in one script run, on a real server.
+
+The standalone store sends a pipeline of calls as one FCALL of decide_many, which reads each
+main key and TIME once for the whole batch. Its promise: the replies and the stored state are
+exactly those of the same calls sent one by one, in order; a call that fails is that call's
+error alone, and the calls after it see none of its writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from aiolimit import Concurrency, Limit, Limiter, SlidingLog, TokenBucket
+from aiolimit._calls import Call, Mode, decide_library, encode
+from aiolimit._stores.resp import pack_many
+
+T0 = 1_700_000_000_000_000
+IDENTIFIERS = ("ip:a", "ip:b", "user:c")
+LIMITS = [
+    Limit(6, per=1, precision=0.1),
+    Limit(20, per=10),
+    TokenBucket(3, per=1, burst=4),
+    SlidingLog(8, per=2),
+    Concurrency(5, lease_ttl=30),
+]
+
+
+@pytest.fixture
+async def server(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    await client.execute_command("FUNCTION", "LOAD", "REPLACE", decide_library().code)
+    yield client
+    await client.aclose()
+
+
+def _value(reply: Any) -> Any:
+    """A reply as comparable data: an error by its message."""
+    if isinstance(reply, ResponseError):
+        return ("error", str(reply))
+    if isinstance(reply, list):
+        return [_value(item) for item in reply]
+    return reply
+
+
+async def _one_by_one(client: Redis, calls: Sequence[Call]) -> list[Any]:
+    name = decide_library().function
+    replies = []
+    for call in calls:
+        try:
+            replies.append(
+                await client.execute_command("FCALL", name, len(call.keys), *call.keys, *call.args)
+            )
+        except ResponseError as error:
+            replies.append(error)
+    return [_value(reply) for reply in replies]
+
+
+async def _many(client: Redis, calls: Sequence[Call]) -> list[Any]:
+    """The calls as one FCALL of decide_many, packed as the store packs them."""
+    connection = await client.connection_pool.get_connection()
+    try:
+        head = b"$5\r\nFCALL\r\n$%d\r\n%b\r\n" % (
+            len(decide_library().many),
+            decide_library().many.encode(),
+        )
+        await connection.send_packed_command(pack_many(head, calls))
+        try:
+            reply = await connection.read_response()
+        except ResponseError as error:
+            return [("error", str(error))] * len(calls)
+    finally:
+        await client.connection_pool.release(connection)
+    assert isinstance(reply, list) and len(reply) == len(calls)
+    return [_value(item) for item in reply]
+
+
+async def _state(client: Redis, prefix: str) -> dict[str, Any]:
+    """Every key under prefix (named without it): a hash's fields, a sorted set's members."""
+    state: dict[str, Any] = {}
+    async for key in client.scan_iter(match=f"{prefix}:*"):
+        name = key.decode()[len(prefix) :]
+        kind = (await client.type(key)).decode()
+        if kind == "hash":
+            state[name] = await client.hgetall(key)
+        else:
+            state[name] = await client.zrange(key, 0, -1, withscores=True)
+    return state
+
+
+def _workload(prefix: str, seed: int, count: int) -> list[Call]:
+    """A random program: acquires, refunds, undos, releases, checks and peeks over one or two
+    identifiers, weights 0 to 3, two clients' ops, times moving by -50 to +150 ms (a key's time
+    never runs backwards: a later call must see the time an earlier one of its batch wrote);
+    and now and then a call the script refuses (an unknown mode, an op it cannot parse)."""
+    rng = random.Random(seed)
+    limiter = Limiter("memory://", LIMITS, prefix=prefix)
+    stamps = {"c1": 0, "c2": 0}
+    done: list[str] = []  # acquire ops sent, "<client>:<stamp>"
+    now = T0
+    calls = []
+    for _ in range(count):
+        now += rng.randrange(-50_000, 150_000)  # a clock behind now and then: time is max'ed
+        chosen = rng.sample(IDENTIFIERS, rng.choice((1, 1, 2)))
+        plans = [limiter._rules.plans(identifier)[0] for identifier in chosen]
+        client = rng.choice(("c1", "c2"))
+        roll = rng.random()
+        weight = rng.randrange(0, 4)
+        if roll < 0.04:
+            calls.append(encode(Mode.CHECK, plans, weight, now, 0))
+            calls[-1].args[0] = "bogus"
+            continue
+        if roll < 0.06:
+            calls.append(encode(Mode.ACQUIRE, plans, weight, now, 0, "not an op"))
+            continue
+        if roll < 0.16 and done:
+            op = rng.choice(done)
+            mode = rng.choice((Mode.UNDO, Mode.RELEASE, Mode.RENEW))
+            calls.append(encode(mode, plans, max(weight, 1), now, 0, op + ":"))
+            continue
+        if roll < 0.3:
+            calls.append(encode(rng.choice((Mode.CHECK, Mode.PEEK)), plans, weight, now, 0))
+            continue
+        stamps[client] += 1
+        stamp = stamps[client]
+        opened = sorted(rng.sample(range(max(1, stamp - 6), stamp), min(stamp - 1, 2)))
+        op = f"{client}:{stamp}:{','.join(map(str, opened))}"
+        mode = Mode.REFUND if roll < 0.4 else Mode.ACQUIRE
+        calls.append(encode(mode, plans, weight, now, 0, op, penalty=rng.random() < 0.1))
+        if mode is Mode.ACQUIRE:
+            done.append(f"{client}:{stamp}")
+    return calls
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_a_batch_decides_and_writes_exactly_as_its_calls_one_by_one(
+    server: Redis, prefix: str, seed: int
+) -> None:
+    alone = _workload(f"{prefix}a", seed, 300)
+    batched = _workload(f"{prefix}b", seed, 300)
+    expected = await _one_by_one(server, alone)
+    rng = random.Random(seed)
+    got: list[Any] = []
+    at = 0
+    while at < len(batched):
+        size = rng.randrange(1, 13)
+        got += await _many(server, batched[at : at + size])
+        at += size
+    assert got == expected
+    admitted = sum(1 for reply in expected if isinstance(reply, list) and reply[0] == 1)
+    refused = sum(1 for reply in expected if isinstance(reply, list) and reply[0] == 0)
+    errors = sum(1 for reply in expected if isinstance(reply, tuple))
+    # The program exercised what it claims to: admissions, refusals and errors alike.
+    assert admitted > 50 and refused > 20 and errors > 5, (admitted, refused, errors)
+    assert await _state(server, f"{prefix}b") == await _state(server, f"{prefix}a")
+
+
+async def test_a_call_that_fails_part_way_is_its_own_error_and_writes_nothing(
+    server: Redis, prefix: str
+) -> None:
+    """The middle call names a key it was not given: the script raises at its first read.
+    The calls around it answer as they would alone, and the last sees only the first's
+    charge."""
+    limiter = Limiter("memory://", [Limit(10, per=60)], prefix=prefix)
+    plans = limiter._rules.plans("ip:x")
+    first = encode(Mode.ACQUIRE, plans, 3, T0, 0, "c:1:")
+    broken = encode(Mode.ACQUIRE, plans, 4, T0, 0, "c:2:")
+    broken = Call(broken.mode, [], broken.args, broken.plans)  # its block wants one key
+    last = encode(Mode.ACQUIRE, plans, 2, T0, 0, "c:3:")
+    first_reply, failed, last_reply = await _many(server, [first, broken, last])
+    assert first_reply[0] == 1 and first_reply[4] == 7  # 10 - 3
+    assert failed[0] == "error" and "aiolimit" in failed[1]
+    assert last_reply[0] == 1 and last_reply[4] == 5  # 10 - 3 - 2: nothing of the 4
+    peek = encode(Mode.PEEK, plans, 0, T0, 0)
+    assert (await _one_by_one(server, [peek]))[0][4] == 5
+
+
+async def test_a_batch_with_a_bad_layout_runs_none_of_its_calls(server: Redis, prefix: str) -> None:
+    limiter = Limiter("memory://", [Limit(10, per=60)], prefix=prefix)
+    plans = limiter._rules.plans("ip:x")
+    good = encode(Mode.ACQUIRE, plans, 3, T0, 0, "c:1:")
+    name = decide_library().many
+    # Two calls announced, the second's arguments cut short.
+    args = [2, 1, len(good.args), *good.args, 1, 50, *good.args]
+    with pytest.raises(ResponseError, match="bad batch layout at call 2"):
+        await server.execute_command("FCALL", name, 2, *good.keys, *good.keys, *args)
+    assert await _state(server, prefix) == {}
+
+
+async def test_the_store_sends_a_pipeline_as_one_script_run_and_admits_exactly(
+    redis_url: str, prefix: str, server: Redis
+) -> None:
+    """400 concurrent callers on 4 identifiers of 25 each: exactly 100 admitted, in far fewer
+    script runs than decisions (the pipelines went as decide_many)."""
+    await server.config_resetstat()
+    async with Limiter(redis_url, [Limit(25, per=60)], prefix=prefix) as limiter:
+        results = await asyncio.gather(*(limiter.try_acquire(f"ip:{i % 4}") for i in range(400)))
+        stats = await server.info("commandstats")
+        left = [(await limiter.peek(f"ip:{i}")).remaining for i in range(4)]
+    assert sum(1 for decision in results if decision.allowed) == 100
+    assert left == [0, 0, 0, 0]
+    runs = stats["cmdstat_fcall"]["calls"]
+    assert runs < 200, f"{runs} FCALLs for 400 decisions: the batches were not sent as one"
