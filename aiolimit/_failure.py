@@ -15,8 +15,8 @@ circuit breaker that stops paying that deadline while the store is down.
   change.
 
 While a decision runs its deadline is published in ``aiolimit._deadline.DECISION_DEADLINE``
-for the stores' retries; the limiter enforces it anyway with ``asyncio.timeout``, so a store
-that ignores it is cut off.
+for the stores' retries; the limiter enforces it anyway (one timer per policy and loop,
+``_DeadlineWheel``), so a store that ignores it is cut off.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from contextvars import Token
 from dataclasses import dataclass
 from types import TracebackType
@@ -147,37 +148,113 @@ class CircuitBreaker:
         )
 
 
-class _DeadlineScope:
-    """``async with policy.deadline():`` asyncio's timeout plus the DECISION_DEADLINE variable.
+class _DeadlineWheel:
+    """The deadlines of every decision running under one policy on one event loop, watched by
+    one timer.
 
-    Exceeding it raises ``BackendUnavailable`` (its ``__cause__`` is a ``TimeoutError``).
-    ``asyncio.timeout`` costs one timer handle; it is on every decision's path.
+    ``asyncio.timeout`` costs each decision a timer handle, a push on the loop's heap (whose
+    comparisons run in Python) and a cancel: about 5 µs of CPU a decision with 64 in flight,
+    a seventh of a decision's client work. A policy's deadlines all have the same length,
+    so they come due in the order their decisions began: a queue in that order, whose head is
+    the next due, needs one timer for all of them. A decision that ends only marks itself
+    done; the timer drops such entries when it next fires.
     """
 
-    __slots__ = ("_address", "_seconds", "_timeout", "_token")
+    __slots__ = ("_armed", "_loop", "_queue")
 
-    def __init__(self, seconds: float, address: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: deque[_DeadlineScope] = deque()
+        self._armed: _DeadlineScope | None = None  # the entry the timer is set for
+
+    def add(self, scope: _DeadlineScope) -> None:
+        self._queue.append(scope)
+        if self._armed is None:
+            self._arm(scope)
+
+    def _arm(self, scope: _DeadlineScope) -> None:
+        self._armed = scope
+        self._loop.call_at(scope.due, self._fire)
+
+    def _fire(self) -> None:
+        armed, self._armed = self._armed, None
+        assert armed is not None
+        queue = self._queue
+        # Entries up to the one the timer was set for are due (the loop judged it so; the
+        # ones before it came due no later); a running one expires. Then the finished
+        # entries at the head go, and the timer is set for the first one still running.
+        due = armed.due
+        while queue:
+            scope = queue[0]
+            if scope.running and scope.due > due:
+                self._arm(scope)
+                return
+            queue.popleft()
+            if scope.running:
+                scope.expire()
+
+
+class _DeadlineScope:
+    """``async with policy.deadline():`` bounds one decision, and publishes its deadline in
+    DECISION_DEADLINE meanwhile.
+
+    Exceeding it cancels the decision's task, and the scope raises ``BackendUnavailable``
+    (``DeadlineExceeded``; its ``__cause__`` is a ``TimeoutError``) as ``asyncio.timeout``
+    would raise ``TimeoutError``: only for its own cancellation. A cancellation from
+    elsewhere (the caller's, an outer timeout's) stays a ``CancelledError``. The timer is
+    the policy's ``_DeadlineWheel``.
+    """
+
+    __slots__ = ("_address", "_cancelling", "_seconds", "_task", "_token", "_wheel", "due",
+                 "expired", "running")  # fmt: skip
+
+    def __init__(self, seconds: float, address: str, wheel: _DeadlineWheel) -> None:
         self._seconds = seconds
         self._address = address
-        self._timeout = asyncio.timeout(seconds)
+        self._wheel = wheel
         self._token: Token[float | None] | None = None
+        self._task: asyncio.Task[object] | None = None
+        self._cancelling = 0
+        self.due = 0.0  # in the loop's time
+        self.running = False
+        self.expired = False
 
     async def __aenter__(self) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a decision's deadline needs a running task")
+        self._task = task
+        self._cancelling = task.cancelling()
         self._token = DECISION_DEADLINE.set(time.monotonic() + self._seconds)
-        await self._timeout.__aenter__()
+        self.due = self._wheel._loop.time() + self._seconds
+        self.running = True
+        self._wheel.add(self)
+
+    def expire(self) -> None:
+        """The deadline passed with the decision still running: cancel its task."""
+        self.running = False
+        self.expired = True
+        assert self._task is not None
+        self._task.cancel()
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:  # fmt: skip
+        self.running = False
         try:
-            await self._timeout.__aexit__(exc_type, exc, tb)
-            return False  # asyncio's timeout never swallows an exception
-        except TimeoutError as timeout:
-            raise DeadlineExceeded(
-                f"store at {self._address} gave no decision within the deadline of "
-                f"{self._seconds:g}s"
-            ) from timeout
+            if (
+                self.expired
+                and self._task is not None
+                and self._task.uncancel() <= self._cancelling
+                and exc_type is not None
+                and issubclass(exc_type, asyncio.CancelledError)
+            ):
+                raise DeadlineExceeded(
+                    f"store at {self._address} gave no decision within the deadline of "
+                    f"{self._seconds:g}s"
+                ) from TimeoutError()
+            return False
         finally:
             if self._token is not None:
                 DECISION_DEADLINE.reset(self._token)
@@ -212,6 +289,7 @@ class FailurePolicy:
                 f"got {on_error!r}"
             )
         self.deadline_seconds = check_optional_seconds("deadline", deadline, 0, 3600, open_low=True)
+        self._wheels: dict[tuple[asyncio.AbstractEventLoop, float], _DeadlineWheel] = {}
         self.on_error: OnError = on_error
         #: The breaker of the whole store; a cluster node gets one of its own, alike
         #: (``breaker_for``), so a frozen node's failures refuse only what needs that node.
@@ -238,7 +316,21 @@ class FailurePolicy:
     def deadline(self) -> _DeadlineScope | _NoDeadline:
         """A fresh ``async with`` scope bounding one decision (shared no-op when unbounded)."""
         seconds = self.deadline_seconds
-        return _NO_DEADLINE if seconds is None else _DeadlineScope(seconds, self.address)
+        if seconds is None:
+            return _NO_DEADLINE
+        return _DeadlineScope(seconds, self.address, self._wheel(seconds))
+
+    def _wheel(self, seconds: float) -> _DeadlineWheel:
+        """The deadline timer of this policy's decisions on the running loop."""
+        loop = asyncio.get_running_loop()
+        wheels = self._wheels
+        wheel = wheels.get((loop, seconds))
+        if wheel is None:
+            # A limiter not bound to a loop (memory://) may meet several, one after another.
+            for key in [key for key in wheels if key[0].is_closed()]:
+                del wheels[key]
+            wheel = wheels[loop, seconds] = _DeadlineWheel(loop)
+        return wheel
 
     def short_circuit(self) -> Decision:
         """The answer while the breaker is open: the policy's, or ``BackendUnavailable``."""

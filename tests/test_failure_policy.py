@@ -258,3 +258,78 @@ async def test_http_load_while_redis_is_stopped(
         assert limiter.statistics().breaker.state == "closed"
     finally:
         await limiter.aclose()
+
+
+# --- the deadline's one timer per policy and loop (_DeadlineWheel) ------------------------------
+
+
+async def test_deadlines_expire_exactly_the_decisions_still_running() -> None:
+    """120 decisions under one 60 ms deadline, each taking 0 to 118 ms: those done well before
+    it answer, those still running well after it fail with DeadlineExceeded (its cause a
+    TimeoutError), and the tasks carry no cancellation request afterwards."""
+    from aiolimit._failure import DeadlineExceeded, FailurePolicy
+
+    policy = FailurePolicy(deadline=0.06)
+
+    async def decision(seconds: float) -> object:
+        try:
+            async with policy.deadline():
+                await asyncio.sleep(seconds)
+        except DeadlineExceeded as error:
+            assert isinstance(error.__cause__, TimeoutError)
+            assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+            return "deadline"
+        return "done"
+
+    lengths = [i / 1000 for i in range(120)]
+    outcomes = await asyncio.gather(*(decision(seconds) for seconds in lengths))
+    for seconds, outcome in zip(lengths, outcomes, strict=True):
+        if seconds < 0.04:
+            assert outcome == "done", seconds
+        elif seconds > 0.09:
+            assert outcome == "deadline", seconds
+
+
+async def test_a_cancellation_from_outside_stays_a_cancellation() -> None:
+    """The caller's own cancel and an outer timeout shorter than the deadline are not the
+    deadline's: they come out as CancelledError and TimeoutError, not DeadlineExceeded."""
+    from aiolimit._failure import FailurePolicy
+
+    policy = FailurePolicy(deadline=5.0)
+
+    async def decision() -> None:
+        async with policy.deadline():
+            await asyncio.sleep(10)
+
+    task = asyncio.create_task(decision())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await decision()
+    # And the deadline's timer, set for those, fires on nothing and goes.
+    started = time.monotonic()
+    async with policy.deadline():
+        await asyncio.sleep(0.01)
+    assert time.monotonic() - started < 1.0
+
+
+def test_one_policy_keeps_its_deadline_on_each_event_loop() -> None:
+    """A limiter not bound to a loop (memory://) may decide on one loop, then another."""
+    from aiolimit._failure import DeadlineExceeded, FailurePolicy
+
+    policy = FailurePolicy(deadline=0.03)
+
+    async def late() -> str:
+        try:
+            async with policy.deadline():
+                await asyncio.sleep(1)
+        except DeadlineExceeded:
+            return "deadline"
+        return "done"
+
+    assert asyncio.run(late()) == "deadline"
+    assert asyncio.run(late()) == "deadline"
+    assert len(policy._wheels) == 1  # the closed loop's timer was let go
