@@ -328,6 +328,8 @@ class Limiter:
     async def _try(self, plans: list[IdentifierPlan], weight: int, max_wait_us: int) -> Decision:
         metrics = self._metrics
         if metrics is None:
+            if not self._rules_special:
+                return await self._try_store(plans, weight, max_wait_us)
             return await self._try_rules(plans, weight, max_wait_us)
         started = time.perf_counter()
         decision = await self._try_rules(plans, weight, max_wait_us)
