@@ -625,26 +625,11 @@ async def test_undo_through_a_failover_converges(
 
 
 @pytest.mark.cluster
-async def test_a_pipeline_cut_after_its_first_reply_keeps_that_reply(
-    local_cluster: cluster.Cluster, prefix: str
-) -> None:
-    """A cluster pipeline of one-slot calls whose connection is reset right after its first
-    reply reached the client. That reply stands: its call is not resent. Exactly the calls
-    without a reply are resent (each replays or runs once), every decision is admitted, and
-    the store holds exactly what was admitted."""
-    from aiolimit._calls import decide_script
-
-    identifier = "ip:198.51.100.9"
-    node = owner(local_cluster, prefix, identifier)
-    admin = Redis(host=node.host, port=node.port)
-    await admin.script_load(decide_script().source)  # (a resend is one EVALSHA, no NOSCRIPT)
-    await admin.aclose()
-    proxies = await Proxies().start((n.host, n.port) for n in local_cluster.nodes)
-    client = proxied_client(local_cluster, proxies)
-    limiter = Limiter(client, [ROOMY], prefix=prefix)
-    batch: list[int] = []  # script calls in the pipeline that gets cut
-    resent: list[int] = []  # script calls sent after the cut
-
+def _cut_after_first_reply(batch: list[int], resent: list[int]) -> tuple[Any, Any]:
+    """A proxy's hooks: the first request chunk with 2 script calls or more is the batch; its
+    reply reaches the client as its first 8 lines only (a reply of one pair is an array of 7
+    integers: 8 lines), then the connection is reset. ``resent`` counts the script calls sent
+    after that."""
     cut: list[bool] = []
 
     def on_request(link: Link, data: bytes) -> None:
@@ -657,7 +642,6 @@ async def test_a_pipeline_cut_after_its_first_reply_keeps_that_reply(
 
     async def on_reply(link: Link, data: bytes) -> None:
         if link.marks.pop("cut", False):
-            # Every reply is an array of 7 integers (one pair): 8 lines.
             first = b"\r\n".join(data.split(b"\r\n")[:8]) + b"\r\n"
             assert len(first) < len(data), "the chunk held one reply only"
             link.client_writer.write(first)
@@ -666,12 +650,43 @@ async def test_a_pipeline_cut_after_its_first_reply_keeps_that_reply(
             cut.append(True)
             link.abort()
 
+    return on_request, on_reply
+
+
+async def test_a_pipeline_cut_after_its_first_reply_keeps_that_reply(
+    local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """A cluster pipeline of one-slot calls, each on a slot of its own (so each is a script
+    call of its own), whose connection is reset right after its first reply reached the
+    client. That reply stands: its call is not resent. Exactly the calls without a reply are
+    resent (each replays or runs once), every decision is admitted, and the store holds
+    exactly what was admitted."""
+    from aiolimit._calls import decide_script
+
+    first = "ip:198.51.100.9"
+    node = owner(local_cluster, prefix, first)
+    by_slot: dict[int, str] = {}
+    for i in range(100_000):
+        identifier = f"ip:198.51.{i // 256}.{i % 256}"
+        if owner(local_cluster, prefix, identifier).port == node.port:
+            by_slot.setdefault(slot_of(prefix, identifier), identifier)
+        if len(by_slot) == 20:
+            break
+    identifiers = list(by_slot.values())
+    admin = Redis(host=node.host, port=node.port)
+    await admin.script_load(decide_script().source)  # (a resend is one EVALSHA, no NOSCRIPT)
+    await admin.aclose()
+    proxies = await Proxies().start((n.host, n.port) for n in local_cluster.nodes)
+    client = proxied_client(local_cluster, proxies)
+    limiter = Limiter(client, [ROOMY], prefix=prefix)
+    batch: list[int] = []  # script calls in the pipeline that gets cut
+    resent: list[int] = []  # script calls sent after the cut
     try:
-        await limiter.peek(identifier)
+        await limiter.peek(identifiers[0])
         proxy = proxies[node.port]
-        proxy.on_request, proxy.on_reply = on_request, on_reply
+        proxy.on_request, proxy.on_reply = _cut_after_first_reply(batch, resent)
         outcomes = await asyncio.gather(
-            *(_outcome(limiter.try_acquire(identifier)) for _ in range(20))
+            *(_outcome(limiter.try_acquire(identifier)) for identifier in identifiers)
         )
     finally:
         await limiter.aclose()
@@ -680,5 +695,58 @@ async def test_a_pipeline_cut_after_its_first_reply_keeps_that_reply(
     assert len(batch) == 1 and batch[0] >= 2
     assert all(told_admitted(outcome) for outcome in outcomes), outcomes
     assert sum(resent) == batch[0] - 1, f"{sum(resent)} resent of a pipeline of {batch[0]}"
+
+    async def stored() -> int:
+        async with Limiter(local_cluster.url, [ROOMY], prefix=prefix, deadline=5.0) as reader:
+            return sum([ROOMY.amount - (await reader.peek(i)).remaining for i in identifiers])
+
+    converged, total = await settle(stored, 20)
+    assert converged, f"stored {total} for 20 admitted"
+
+
+async def test_a_batch_whose_reply_is_cut_is_resent_and_charged_once(
+    local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """20 calls on one identifier leave as one FCALL of decide_many; its reply is cut after
+    8 lines (the client holds no whole reply) and the connection reset. The calls ran, but no
+    caller knows: each is resent on its own and replays its op. All 20 are admitted, and the
+    store holds 20, not 40."""
+    from aiolimit._calls import decide_script
+
+    identifier = "ip:198.51.100.9"
+    node = owner(local_cluster, prefix, identifier)
+    admin = Redis(host=node.host, port=node.port)
+    await admin.script_load(decide_script().source)
+    await admin.aclose()
+    proxies = await Proxies().start((n.host, n.port) for n in local_cluster.nodes)
+    client = proxied_client(local_cluster, proxies)
+    limiter = Limiter(client, [ROOMY], prefix=prefix)
+    batch: list[int] = []
+    resent: list[int] = []
+    sent: list[int] = []
+    try:
+        await limiter.peek(identifier)
+        proxy = proxies[node.port]
+        on_request, on_reply = _cut_after_first_reply(batch, resent)
+
+        def watch(link: Link, data: bytes) -> None:
+            if not batch and b"aiolimit_many_" in data:
+                sent.append(script_calls(data))
+                batch.append(2)  # (the hooks' mark: a batch, whatever its call count)
+                link.marks["cut"] = True
+                return
+            on_request(link, data)
+
+        proxy.on_request, proxy.on_reply = watch, on_reply
+        outcomes = await asyncio.gather(
+            *(_outcome(limiter.try_acquire(identifier)) for _ in range(20))
+        )
+    finally:
+        await limiter.aclose()
+        await client.aclose()
+        await proxies.aclose()
+    assert sent == [1], f"the 20 calls left as {sent} script calls, not one decide_many"
+    assert all(told_admitted(outcome) for outcome in outcomes), outcomes
+    assert sum(resent) == 20, f"{sum(resent)} calls resent of 20 without a reply"
     converged, stored = await settle(lambda: charged(local_cluster.url, prefix, identifier), 20)
     assert converged, f"stored {stored} for 20 admitted"

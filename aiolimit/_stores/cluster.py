@@ -58,7 +58,14 @@ from aiolimit._errors import BackendUnavailable, ConfigurationError
 from aiolimit._retry import RetryStatistics, call_with_retries, check_deadline_seconds
 from aiolimit._stores.base import Arg, Reply, Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher, loop_time, wait_results
-from aiolimit._stores.resp import command_head, pack_calls, read_replies
+from aiolimit._stores.resp import (
+    command_head,
+    pack_call,
+    pack_calls,
+    pack_many,
+    read_replies,
+    spread_many,
+)
 
 #: Seconds a store call may take, retries included, when no decision deadline is set.
 DEFAULT_DEADLINE = 5.0
@@ -133,6 +140,7 @@ class ClusterStore(Store):
         self._library = decide_library()
         self._evalsha = command_head("EVALSHA", self._script.sha)
         self._fcall = command_head("FCALL", self._library.function)
+        self._fcall_many = command_head("FCALL", self._library.many)
         #: Whether the nodes have FUNCTION (None: not known yet), and which have the library.
         self._functions: bool | None = None
         self._loaded: set[str] = set()
@@ -313,9 +321,10 @@ class ClusterStore(Store):
         Packed here (``resp.py``: keys and identifier blocks are packed once and reused) and
         written once on one of the node's connections; hiredis parses the replies. redis-py's
         own pipeline packed every argument through its general encoder, about a third of a
-        cross-slot decision's client CPU. An error reply (NOSCRIPT, MOVED, ...) answers its
-        call only; ``run`` retries those through the cluster client (as EVALSHA/EVAL, which run
-        the same code).
+        cross-slot decision's client CPU. Calls on one slot go as one FCALL of ``decide_many``
+        (``lua/decide.lua``). An error reply (NOSCRIPT, MOVED, ...) answers its call, or every
+        call of its ``decide_many``, none of which ran; ``run`` retries those one by one
+        through the cluster client (as EVALSHA/EVAL, which run the same code).
 
         Where the nodes have FUNCTION (Redis 7+, Valkey) the calls are FCALLs of aiolimit's
         library, loaded once on each node this store sends to (FUNCTION LOAD is replicated, so
@@ -330,7 +339,26 @@ class ClusterStore(Store):
                 await self._load_library(node, deadline)
             if node.name in self._loaded:
                 head = self._fcall
-        packed = pack_calls(head, 2, calls)
+        # With FCALL, the calls on one slot go as one decide_many (its keys share a slot, as a
+        # script call's must): one script run, each main key and TIME read once for them.
+        units: list[list[Pending]] | None = None
+        if head is self._fcall and len(calls) > 1:
+            by_slot: dict[int, list[Pending]] = {}
+            for call in calls:
+                by_slot.setdefault(_slot(call.keys[0]), []).append(call)
+            if len(by_slot) < len(calls):
+                units = list(by_slot.values())
+        if units is None:
+            packed = pack_calls(head, 2, calls)
+            expected = len(calls)
+        else:
+            packed = b"".join(
+                pack_call(head, 2, unit[0].keys, unit[0].args)
+                if len(unit) == 1
+                else pack_many(self._fcall_many, unit)
+                for unit in units
+            )
+            expected = len(units)
         self._stats.round_trips += 1
         results: list[Result] = []
         connection = None
@@ -341,9 +369,9 @@ class ClusterStore(Store):
                 if reconnect is not None and reconnect():
                     await connection.disconnect()
                 await connection.send_packed_command(packed)
-                await read_replies(connection, len(calls), results)  # (kept if it fails)
+                await read_replies(connection, expected, results)  # (kept if it fails)
         except Exception as exc:  # the connection failed or timed out: calls without a reply
-            results += [exc] * (len(calls) - len(results))
+            results += [exc] * (expected - len(results))
             if connection is not None:  # replies may still be on their way
                 await connection.disconnect(nowait=True)
         except BaseException:  # cancelled: the calls without a reply may or may not have run
@@ -353,6 +381,17 @@ class ClusterStore(Store):
         finally:
             if connection is not None:
                 node.release(connection)
+            if units is not None:  # one result per call again
+                spread: list[Result] = []
+                for index, unit in enumerate(units):
+                    if index >= len(results):
+                        break
+                    if len(unit) == 1:
+                        spread.append(results[index])
+                    else:
+                        spread += spread_many(results[index], len(unit))
+                results = spread
+                calls = [call for unit in units for call in unit]
             if any(isinstance(r, BaseException) and is_noscript(r) for r in results):
                 self._loaded.discard(node.name)
             for index, call in enumerate(calls):

@@ -22,7 +22,14 @@ from aiolimit._connection import (
 )
 from aiolimit._stores.base import Arg, Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher
-from aiolimit._stores.resp import command_head, pack_call, pack_calls, pack_many, read_replies
+from aiolimit._stores.resp import (
+    command_head,
+    pack_call,
+    pack_calls,
+    pack_many,
+    read_replies,
+    spread_many,
+)
 
 
 class RedisStore(Store):
@@ -219,7 +226,7 @@ class RedisStore(Store):
                 raise
             connection = await self.client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
             replies = await self._pipeline_on(connection, packed, count, [])
-        return _spread(replies[0], len(calls)) if many else replies
+        return spread_many(replies[0], len(calls)) if many else replies
 
     async def _pipeline_on(
         self, connection: Any, packed: bytes, count: int, replies: list[Any]
@@ -281,14 +288,3 @@ class RedisStore(Store):
     async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
         async for message in messages(self.client, channel, self.address):
             yield message
-
-
-def _spread(reply: Any, count: int) -> list[Any]:
-    """decide_many's reply as one result per call: its replies, or one error for them all
-    (the function is missing, the server refused the call: then none of them ran)."""
-    if isinstance(reply, BaseException):
-        return [reply] * count
-    if not isinstance(reply, list) or len(reply) != count:
-        error = ResponseError(f"aiolimit: a batch of {count} calls had the reply {reply!r:.200}")
-        return [error] * count
-    return reply

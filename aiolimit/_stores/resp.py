@@ -126,6 +126,18 @@ def pack_many(head: bytes, calls: Sequence[ScriptCall]) -> bytes:
     )
 
 
+def spread_many(reply: Any, count: int) -> list[Any]:
+    """``decide_many``'s reply as one result per call: its replies, or one error for them all
+    (the function is missing, a redirection, the server refused the call: then none of them
+    ran)."""
+    if isinstance(reply, BaseException):
+        return [reply] * count
+    if not isinstance(reply, list) or len(reply) != count:
+        error = ResponseError(f"aiolimit: a batch of {count} calls had the reply {reply!r:.200}")
+        return [error] * count
+    return reply
+
+
 async def read_replies(connection: Any, count: int, into: list[Any] | None = None) -> list[Any]:
     """The next ``count`` replies on ``connection``, in order, appended to ``into`` (a new
     list if None) as they come; an error reply (NOSCRIPT, MOVED, ...) is that call's result,
