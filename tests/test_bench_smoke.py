@@ -71,3 +71,22 @@ def test_rules_scale_and_middleware_cpu_benches_run(capsys: pytest.CaptureFixtur
     assert middleware_cpu.main(["--requests", "50", "--rounds", "1"]) == 0
     printed = capsys.readouterr().out
     assert "300 overrides" in printed and "behind RateLimitMiddleware" in printed
+
+
+def test_script_cost_measures_each_scenario_of_two_libraries(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """bench.script_cost on this tree's scripts twice (an A/B of a tree against itself): a
+    figure for every scenario and library, and a ratio."""
+    from bench import script_cost
+
+    scripts = str(Path(__file__).resolve().parents[1] / "lua")
+    assert (
+        script_cost.main(["--rounds", "1", "--count", "40", "--lua", scripts, "--lua", scripts])
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[0] for line in lines] == ["check", "acquire+op", "acquire+16", "2x3+op",
+                                                   "many", "many"]  # fmt: skip
+    for line in lines:
+        assert line.count("best") == 2 and "second/first" in line, line
