@@ -140,7 +140,10 @@ local function ledger(s)
   end
   local l = ledgers[op_field]
   if l then
-    if l.seq ~= call_seq then l.seq, l.looked = call_seq, false end  -- another op now
+    if l.seq ~= call_seq then  -- the first use in this call (of a batch): another op now
+      l.seq, l.looked = call_seq, false
+      if s.fields[op_field] == nil then s.new_ledger = call_seq end
+    end
     return l
   end
   l = {name = op_field, horizon = 0, entries = '', looked = false, at = nil, seq = call_seq}
@@ -150,7 +153,7 @@ local function ledger(s)
     l.horizon = tonumber(horizon) or 0
     l.entries = entries or ''
   else
-    s.new_ledger = true
+    s.new_ledger = call_seq  -- this call writes a client's first ledger here: prune (flush)
   end
   ledgers[op_field] = l
   return l
@@ -275,6 +278,7 @@ local function op_prune(s)
       local last = tonumber(string.match(value, '^(%d+);')) or 0
       if last + OP_RETENTION_MS * 1000 < now then
         stage_del(s, name)
+        if s.ledgers then s.ledgers[name] = nil end  -- a later call of a batch reads it anew
       else
         live[#live + 1] = {name = name, last = last}
       end
@@ -283,7 +287,10 @@ local function op_prune(s)
   if #live > OP_CLIENTS then
     table.sort(live, function(a, b) return a.last < b.last end)
     for i = 1, #live - OP_CLIENTS do
-      if not (op_client and live[i].name == op_field) then stage_del(s, live[i].name) end
+      if not (op_client and live[i].name == op_field) then
+        stage_del(s, live[i].name)
+        if s.ledgers then s.ledgers[live[i].name] = nil end
+      end
     end
   end
 end
@@ -308,7 +315,7 @@ local function flush()
       -- and otherwise with the TTL, about once every TTL_STEP_MS on a busy key: idle ones
       -- are kept for minutes, so that is soon enough, and the scan of every field is not
       -- paid on every call.
-      if ttl or s.new_ledger then op_prune(s) end
+      if ttl or s.new_ledger == call_seq then op_prune(s) end
       local hset, n = {}, 0
       for field, value in pairs(s.set) do
         hset[n + 1] = field
@@ -328,7 +335,7 @@ local function flush()
       if ttl then redis.call('PEXPIRE', s.key, ttl) end
       -- Written: a later call of the same batch goes on from here, as if it had loaded it.
       s.t, s.existed, s.dirty, s.ttl_ms = t, true, false, 0
-      s.set, s.del, s.new_ledger = nil, nil, nil
+      s.set, s.del = nil, nil
     end
   end
 end

@@ -94,22 +94,27 @@ async def _state(client: Redis, prefix: str) -> dict[str, Any]:
     return state
 
 
-def _workload(prefix: str, seed: int, count: int) -> list[Call]:
+def _workload(prefix: str, seed: int, count: int, *, idle: bool = False) -> list[Call]:
     """A random program: acquires, refunds, undos, releases, checks and peeks over one or two
     identifiers, weights 0 to 3, two clients' ops, times moving by -50 to +150 ms (a key's time
     never runs backwards: a later call must see the time an earlier one of its batch wrote);
-    and now and then a call the script refuses (an unknown mode, an op it cannot parse)."""
+    and now and then a call the script refuses (an unknown mode, an op it cannot parse).
+    ``idle``: three clients, and now and then 16 minutes of silence, after which the script
+    prunes the idle clients' ledgers."""
     rng = random.Random(seed)
     limiter = Limiter("memory://", LIMITS, prefix=prefix)
-    stamps = {"c1": 0, "c2": 0}
+    clients = ("c1", "c2", "c3") if idle else ("c1", "c2")
+    stamps = dict.fromkeys(clients, 0)
     done: list[str] = []  # acquire ops sent, "<client>:<stamp>"
     now = T0
     calls = []
     for _ in range(count):
         now += rng.randrange(-50_000, 150_000)  # a clock behind now and then: time is max'ed
+        if idle and rng.random() < 0.03:
+            now += 16 * 60_000_000
         chosen = rng.sample(IDENTIFIERS, rng.choice((1, 1, 2)))
         plans = [limiter._rules.plans(identifier)[0] for identifier in chosen]
-        client = rng.choice(("c1", "c2"))
+        client = rng.choice(clients)
         roll = rng.random()
         weight = rng.randrange(0, 4)
         if roll < 0.04:
@@ -138,12 +143,14 @@ def _workload(prefix: str, seed: int, count: int) -> list[Call]:
     return calls
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("seed", "idle"), [(1, False), (2, False), (3, False), (4, True), (5, True)]
+)
 async def test_a_batch_decides_and_writes_exactly_as_its_calls_one_by_one(
-    server: Redis, prefix: str, seed: int
+    server: Redis, prefix: str, seed: int, idle: bool
 ) -> None:
-    alone = _workload(f"{prefix}a", seed, 300)
-    batched = _workload(f"{prefix}b", seed, 300)
+    alone = _workload(f"{prefix}a", seed, 300, idle=idle)
+    batched = _workload(f"{prefix}b", seed, 300, idle=idle)
     expected = await _one_by_one(server, alone)
     rng = random.Random(seed)
     got: list[Any] = []
@@ -234,3 +241,98 @@ async def test_the_cluster_store_sends_each_slots_calls_as_one_script_run(
     assert sum(admitted[:400]) == 100 and all(admitted[400:])
     assert left == [0, 0, 0, 0]
     assert runs < 220, f"{runs} FCALLs for 440 decisions: one slot's calls were not one"
+
+
+MINUTE = 60_000_000
+
+
+async def _alone_and_batched(
+    server: Redis, prefix: str, build: Any
+) -> tuple[list[Any], list[Any], dict[str, Any], dict[str, Any]]:
+    """``build(prefix)`` gives (setup calls, calls): the setup one by one on both prefixes,
+    then the calls one by one on the first and as one batch on the second."""
+    setup_a, calls_a = build(f"{prefix}a")
+    setup_b, calls_b = build(f"{prefix}b")
+    await _one_by_one(server, setup_a)
+    await _one_by_one(server, setup_b)
+    alone = await _one_by_one(server, calls_a)
+    batched = await _many(server, calls_b)
+    return alone, batched, await _state(server, f"{prefix}a"), await _state(server, f"{prefix}b")
+
+
+def _one_limit(prefix: str) -> list[Any]:
+    return Limiter("memory://", [Limit(10, per=1)], prefix=prefix)._rules.plans("ip:a")
+
+
+async def test_a_ledger_pruned_in_a_batch_is_not_brought_back_by_a_later_call(
+    server: Redis, prefix: str
+) -> None:
+    """Client X's ledger is idle for 16 minutes; in one batch X resends op 1 (it replays), a
+    new client Y's first write prunes X's idle ledger, and X resends op 1 again: alone it finds
+    no ledger and charges; the batch must not answer from the pruned ledger it had read."""
+
+    def build(p: str) -> tuple[list[Call], list[Call]]:
+        plans = _one_limit(p)
+        later = T0 + 16 * MINUTE
+        setup = [encode(Mode.ACQUIRE, plans, 1, T0, 0, "X:1:")]
+        calls = [
+            encode(Mode.ACQUIRE, plans, 1, later, 0, "X:1:"),
+            encode(Mode.ACQUIRE, plans, 1, later, 0, "Y:1:"),
+            encode(Mode.ACQUIRE, plans, 1, later, 0, "X:1:"),
+            encode(Mode.PEEK, plans, 1, later, 0),
+        ]
+        return setup, calls
+
+    alone, batched, state_alone, state_batched = await _alone_and_batched(server, prefix, build)
+    assert batched == alone
+    assert state_batched == state_alone
+
+
+async def test_an_undo_after_a_prune_in_a_batch_leaves_its_tombstone(
+    server: Redis, prefix: str
+) -> None:
+    """As above, then an undo of X's op 5 (never run): alone it records op 5 as undone, so a
+    late copy of op 5 is refused; the batch must leave the same tombstone."""
+
+    def build(p: str) -> tuple[list[Call], list[Call]]:
+        plans = _one_limit(p)
+        later = T0 + 16 * MINUTE
+        setup = [encode(Mode.ACQUIRE, plans, 1, T0, 0, "C:10:")]
+        calls = [
+            encode(Mode.ACQUIRE, plans, 1, later, 0, "C:10:"),
+            encode(Mode.ACQUIRE, plans, 1, later, 0, "D:1:"),
+            encode(Mode.UNDO, plans, 1, later, 0, "C:5:"),
+        ]
+        return setup, calls
+
+    alone, batched, state_alone, state_batched = await _alone_and_batched(server, prefix, build)
+    assert batched == alone
+    assert state_batched == state_alone
+    late_a = encode(Mode.ACQUIRE, _one_limit(f"{prefix}a"), 1, T0 + 16 * MINUTE, 0, "C:5:")
+    late_b = encode(Mode.ACQUIRE, _one_limit(f"{prefix}b"), 1, T0 + 16 * MINUTE, 0, "C:5:")
+    assert await _one_by_one(server, [late_b]) == await _one_by_one(server, [late_a])
+
+
+async def test_a_refused_call_of_a_new_client_does_not_make_the_next_call_prune(
+    server: Redis, prefix: str
+) -> None:
+    """A refused call of client Z, new to the key, writes nothing; Y's acquire after it,
+    alone, does not prune (its own ledger exists, the TTL needs no refresh), so W's ledger,
+    idle for just under 15 minutes, stays. The batch must keep it too."""
+
+    def build(p: str) -> tuple[list[Call], list[Call]]:
+        plans = _one_limit(p)
+        setup = [
+            encode(Mode.ACQUIRE, plans, 1, T0, 0, "W:1:"),
+            encode(Mode.ACQUIRE, plans, 1, T0 + 15 * MINUTE - 50_000, 0, "Y:1:"),
+        ]
+        later = T0 + 15 * MINUTE + 50_000
+        calls = [
+            encode(Mode.ACQUIRE, plans, 50, later, 0, "Z:1:"),  # refused: 50 > 10
+            encode(Mode.ACQUIRE, plans, 1, later, 0, "Y:2:"),
+        ]
+        return setup, calls
+
+    alone, batched, state_alone, state_batched = await _alone_and_batched(server, prefix, build)
+    assert batched == alone
+    assert state_batched == state_alone
