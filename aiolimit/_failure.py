@@ -156,21 +156,35 @@ class _DeadlineWheel:
     comparisons run in Python) and a cancel: about 5 µs of CPU a decision with 64 in flight,
     a seventh of a decision's client work. A policy's deadlines all have the same length,
     so they come due in the order their decisions began: a queue in that order, whose head is
-    the next due, needs one timer for all of them. A decision that ends only marks itself
-    done; the timer drops such entries when it next fires.
+    the next due, needs one timer for all of them. A decision that ends marks itself done
+    and lets go of its task; the timer drops such entries when it next fires, and once they
+    are most of the queue (and over ``COMPACT_AFTER``) the queue keeps only the running ones,
+    as asyncio does with its cancelled timers: the queue stays within twice the decisions in
+    flight, whatever the deadline's length.
     """
 
-    __slots__ = ("_armed", "_loop", "_queue")
+    __slots__ = ("_armed", "_finished", "_loop", "_queue")
+
+    COMPACT_AFTER = 64
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._queue: deque[_DeadlineScope] = deque()
         self._armed: _DeadlineScope | None = None  # the entry the timer is set for
+        self._finished = 0  # entries of decisions that ended in time, still in the queue
 
     def add(self, scope: _DeadlineScope) -> None:
         self._queue.append(scope)
         if self._armed is None:
             self._arm(scope)
+
+    def finished(self) -> None:
+        """A decision ended before its deadline (its entry stays until dropped)."""
+        self._finished += 1
+        queue = self._queue
+        if self._finished > self.COMPACT_AFTER and 2 * self._finished > len(queue):
+            self._queue = deque(scope for scope in queue if scope.running)
+            self._finished = 0
 
     def _arm(self, scope: _DeadlineScope) -> None:
         self._armed = scope
@@ -192,6 +206,8 @@ class _DeadlineWheel:
             queue.popleft()
             if scope.running:
                 scope.expire()
+            elif not scope.expired:
+                self._finished -= 1
 
 
 class _DeadlineScope:
@@ -242,11 +258,13 @@ class _DeadlineScope:
         tb: TracebackType | None,
     ) -> bool:  # fmt: skip
         self.running = False
+        task, self._task = self._task, None  # (the entry may outlive the decision a while)
         try:
-            if (
-                self.expired
-                and self._task is not None
-                and self._task.uncancel() <= self._cancelling
+            if not self.expired:
+                self._wheel.finished()
+            elif (
+                task is not None
+                and task.uncancel() <= self._cancelling
                 and exc_type is not None
                 and issubclass(exc_type, asyncio.CancelledError)
             ):

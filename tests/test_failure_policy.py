@@ -333,3 +333,30 @@ def test_one_policy_keeps_its_deadline_on_each_event_loop() -> None:
     assert asyncio.run(late()) == "deadline"
     assert asyncio.run(late()) == "deadline"
     assert len(policy._wheels) == 1  # the closed loop's timer was let go
+
+
+async def test_finished_decisions_are_let_go_before_their_deadline() -> None:
+    """2,000 decisions one after another under a 60 s deadline: the tasks that made them (and
+    what they hold) are freed as they finish, and the deadline's queue stays small (the old
+    per-decision timer let go at once; a queue that kept each finished decision's task until
+    its deadline came held all 2,000)."""
+    import gc
+    import weakref
+
+    async with Limiter("memory://", [Limit(10**9, per=1)], deadline=60) as limiter:
+
+        async def one(i: int) -> bytearray:
+            await limiter.try_acquire(f"ip:{i % 7}")
+            return bytearray(10_000)
+
+        tasks = []
+        for i in range(2000):
+            task = asyncio.ensure_future(one(i))
+            await task
+            tasks.append(weakref.ref(task))
+            del task
+        gc.collect()
+        alive = sum(1 for ref in tasks if ref() is not None)
+        queued = sum(len(wheel._queue) for wheel in limiter._failure._wheels.values())
+    assert alive <= 1, f"{alive} finished tasks still held"
+    assert queued <= 200, f"{queued} entries in the deadline queue for 1 running decision"
