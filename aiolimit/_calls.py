@@ -226,16 +226,18 @@ def decide_library() -> Library:
     """The decision code as a FUNCTION library: the definitions are built once per server
     (and kept across calls: the parsed identifier blocks too), and each FCALL only decides.
     Functions are replicated and persisted by the server, unlike cached scripts."""
-    definitions = _definitions()
-    digest = hashlib.sha1(definitions.encode("utf-8")).hexdigest()[:16]
-    name = f"aiolimit_{digest}"
-    function = f"aiolimit_decide_{digest}"
-    many = f"aiolimit_many_{digest}"
-    code = (
-        f"#!lua name={name}\n{definitions}\n"
-        f"redis.register_function('{function}', function(keys, args)\n"
+    # The digest covers the whole library, registrations included: a server holding a library
+    # of the same name then holds exactly this code ("already exists" means loaded).
+    template = (
+        "#!lua name=aiolimit_{digest}\n"
+        + _definitions().replace("{", "{{").replace("}", "}}")
+        + "\nredis.register_function('aiolimit_decide_{digest}', function(keys, args)\n"
         "  return decide(keys, args)\nend)\n"
-        f"redis.register_function('{many}', function(keys, args)\n"
+        "redis.register_function('aiolimit_many_{digest}', function(keys, args)\n"
         "  return decide_many(keys, args)\nend)\n"
     )
-    return Library(code, name, function, many)
+    digest = hashlib.sha1(template.encode("utf-8")).hexdigest()[:16]
+    code = template.format(digest=digest)
+    return Library(
+        code, f"aiolimit_{digest}", f"aiolimit_decide_{digest}", f"aiolimit_many_{digest}"
+    )

@@ -131,3 +131,18 @@ async def test_the_script_accepts_the_layout_written_from_its_header() -> None:
         call = encode(ACQUIRE, _plans(), 2, NOW_US, 0)
         assert (call.keys, call.args) == (keys, args)
         assert decision(decode(call, raw)).remaining == 3
+
+
+def test_the_library_name_covers_its_whole_code() -> None:
+    """A server that has a library of this name has this code, registrations included
+    (FUNCTION LOAD of an existing name is taken as loaded): the name's digest is the hash
+    of the whole library, not of the algorithm files alone."""
+    import hashlib
+
+    from aiolimit._calls import decide_library
+
+    library = decide_library()
+    digest = library.name.removeprefix("aiolimit_")
+    template = library.code.replace("{", "{{").replace("}", "}}").replace(digest, "{digest}")
+    assert hashlib.sha1(template.encode()).hexdigest()[:16] == digest
+    assert f"'{library.function}'" in library.code and f"'{library.many}'" in library.code
