@@ -15,7 +15,9 @@ Scenarios, each on fresh identifiers, times from the server's TIME:
 - ``acquire+16 open``: the same, naming 16 older open ops (concurrent calls on one identifier);
 - ``2x3+op``: 2 identifiers x 3 sliding limits, with an op id;
 - ``many 1x1`` and ``many 2x3`` (libraries that have ``decide_many``): the acquires above sent
-  16 to an FCALL over 4 identifiers, as the stores send a pipeline: server µs per decision.
+  16 to an FCALL over 4 identifiers, as the stores send a pipeline: server µs per decision;
+- ``floor``: what any script of this kind pays, with no logic at all: one FCALL that reads
+  TIME, HGETALLs a small hash, HSETs 3 fields of it and returns 7 integers.
 
 Reported: server µs per decision, best and median over the rounds; with two libraries, the
 second's median over the first's.
@@ -37,6 +39,14 @@ from aiolimit._calls import SCRIPT_FILES, Call, Mode, encode, lua_dir
 from aiolimit._stores.resp import command_head, pack_many
 
 SCENARIOS = ("check", "acquire+op", "acquire+16 open", "2x3+op", "many 1x1", "many 2x3")
+FLOOR = """#!lua name=cost_floor
+redis.register_function('cost_floor', function(keys, args)
+  local t = redis.call('TIME')
+  local fields = redis.call('HGETALL', keys[1])
+  redis.call('HSET', keys[1], 't', t[1], 'w', t[2], 'o', t[1] .. ';' .. t[2])
+  return {1, 0, 1, 1, #fields, 0, 1000}
+end)
+"""
 ONE = [Limit(10**9, per=1, precision=0.1)]
 THREE = [
     Limit(10**9, per=1, precision=0.1),
@@ -115,6 +125,18 @@ async def server_us(
     return float(stats["cmdstat_fcall"]["usec"]) / len(calls)
 
 
+async def floor_us(client: Any, key: str, count: int) -> float:
+    """The floor scenario: ``count`` FCALLs of cost_floor pipelined; server µs per call."""
+    await client.config_resetstat()
+    for start in range(0, count, 500):
+        pipe = client.pipeline(transaction=False)
+        for _ in range(min(500, count - start)):
+            pipe.execute_command("FCALL", "cost_floor", 1, key)
+        await pipe.execute()
+    stats = await client.info("commandstats")
+    return float(stats["cmdstat_fcall"]["usec"]) / count
+
+
 async def measure(directories: Sequence[Path], rounds: int, count: int) -> list[str]:
     from redis.asyncio import Redis
 
@@ -129,12 +151,16 @@ async def measure(directories: Sequence[Path], rounds: int, count: int) -> list[
                 await client.execute_command("FUNCTION", "LOAD", "REPLACE", code)  # type: ignore[no-untyped-call]
                 tags.append(str(index))
                 many.append(has_many)
+            await client.execute_command("FUNCTION", "LOAD", "REPLACE", FLOOR)  # type: ignore[no-untyped-call]
+            floor: list[float] = []
             found: dict[tuple[str, int], list[float]] = {}
             run = 0
             for round_ in range(rounds):
                 order = list(range(len(tags)))
                 if round_ % 2:
                     order.reverse()
+                run += 1
+                floor.append(await floor_us(client, f"cost:{{floor:{run}}}", count))
                 for scenario in SCENARIOS:
                     for index in order:
                         if scenario.startswith("many") and not many[index]:
@@ -163,6 +189,7 @@ async def measure(directories: Sequence[Path], rounds: int, count: int) -> list[
             assert first is not None and second is not None
             line += f" | second/first {second / first:.2f}"
         lines.append(line)
+    lines.append(f"{'floor':16s} best {min(floor):6.2f} median {statistics.median(floor):6.2f}")
     return lines
 
 
