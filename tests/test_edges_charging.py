@@ -30,9 +30,12 @@ from redis.crc import key_slot
 import cluster
 from aiolimit import BackendError, Decision, Limit, Limiter, SlidingLog
 from aiolimit._keys import main_key
+from aiolimit.testing import ManualClock
 
-#: Far from full in every test, so peek's ``remaining`` always shows the stored charge.
-ROOMY = Limit(1_000_000, per=3600)
+#: Far from full in every test, so peek's ``remaining`` always shows the stored charge. A
+#: sliding window of 60 buckets: a charge stays counted for at least 59 minutes, whenever the
+#: test runs (a fixed window, ``precision=per``, forgets every charge on the hour).
+ROOMY = Limit(1_000_000, per=3600, precision=60)
 
 
 def told_admitted(outcome: object) -> bool:
@@ -75,6 +78,17 @@ async def _outcome(call: Any) -> object:
     except BackendError as error:
         result = error
     return result
+
+
+async def test_roomy_keeps_a_charge_across_the_hour(redis_url: str, prefix: str) -> None:
+    """Every test here reads back what it charged seconds earlier, by the server's clock. CI
+    once ran one across 04:00 UTC while ROOMY was a fixed hourly window: it read back 0 charged
+    for 1 admitted. A charge made just before the hour is still counted just after it."""
+    clock = ManualClock(start=1_700_002_800.0 - 0.1)  # 0.1 s before an hour since the epoch
+    async with Limiter(redis_url, [ROOMY], prefix=prefix, clock=clock) as limiter:
+        assert (await limiter.try_acquire("ip:203.0.113.7")).allowed
+        clock.advance(0.2)
+        assert ROOMY.amount - (await limiter.peek("ip:203.0.113.7")).remaining == 1
 
 
 def slot_of(prefix: str, identifier: str) -> int:
