@@ -3,8 +3,9 @@
 ``await run_aiohttp_demo("redis://127.0.0.1:6379/0")`` serves the app on a free loopback
 port, sends requests with aiohttp's client, prints what clients receive (statuses and the
 RateLimit fields), and shuts down. Each request is decided once, all or nothing, over its
-client IP and its ``X-User`` (10 per 10 s each); ``/search`` costs 5 units and ``/health``
-is never limited. Run: ``python examples/aiohttp_app.py [REDIS_URL]`` (default ``memory://``).
+client IP and its ``X-User`` (10 per 10 s each, sliding in 1 s buckets); ``/search`` costs 5
+units and ``/health`` is never limited. Run: ``python examples/aiohttp_app.py [REDIS_URL]``
+(default ``memory://``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def make_app(limiter: Limiter) -> web.Application:
 async def run_aiohttp_demo(store: str = "memory://") -> list[tuple[str, int]]:
     """Serves the app, makes requests, prints them; returns (path, status) in order."""
     limiter = Limiter(
-        store, {"ip": [Limit(10, per=10)], "user": [Limit(10, per=10)]},
+        store, {"ip": [Limit(10, per=10, precision=1)], "user": [Limit(10, per=10, precision=1)]},
         prefix=f"demo-{uuid.uuid4().hex[:6]}",
     )  # fmt: skip
     runner = web.AppRunner(make_app(limiter))

@@ -28,7 +28,13 @@ async def run_web_demo(limiter_url: str) -> None:
         rate_limit_exceeded_handler,
     )
 
-    limits = {"ip": [Limit(5, per=10)], "user": [Limit(3, per=60)], "report": [Limit(2, per=60)]}
+    # Sliding windows in 1 s buckets: a count never starts afresh on a clock boundary mid-demo
+    # (without ``precision`` a Limit is a fixed window aligned to the epoch).
+    limits = {
+        "ip": [Limit(5, per=10, precision=1)],
+        "user": [Limit(3, per=60, precision=1)],
+        "report": [Limit(2, per=60, precision=1)],
+    }
     limiter = Limiter(limiter_url, limits, prefix=f"webdemo-{uuid.uuid4().hex[:6]}")
     app = FastAPI()
     app.add_exception_handler(RateLimitExceeded, rate_limit_exceeded_handler)

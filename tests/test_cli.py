@@ -19,12 +19,18 @@ RULES = """
 deny = ["user:banned"]
 
 [kinds]
-user = ["5/hour", "100/day"]
+# Sliding windows: what a test charged is still counted when it reads it back, whenever it runs
+# ("5/hour" is a calendar-aligned window that starts afresh on the hour).
+user = [
+    { type = "window", amount = 5, per = 3600, precision = 60 },
+    { type = "window", amount = 100, per = 86400, precision = 3600 },
+]
 ip = "10/minute"
 
 [overrides]
 "user:vip" = { scale = 10 }
 """
+HOURLY, DAILY = "5/hour (precision 60s)", "100/day (precision 3600s)"  # as the CLI names them
 
 
 def cli(
@@ -50,7 +56,7 @@ def test_rules_check(rules_file: Path, tmp_path: Path, redis_url: str, prefix: s
     assert ok.returncode == 0, ok.stderr
     report = json.loads(ok.stdout)
     assert report["valid"] is True
-    assert report["kinds"] == {"user": ["5/hour", "100/day"], "ip": ["10/minute"]}
+    assert report["kinds"] == {"user": [HOURLY, DAILY], "ip": ["10/minute"]}
     assert report["overrides"] == 2  # user:vip, and user:banned from the deny list
     bad = tmp_path / "bad.toml"
     bad.write_text('[kinds]\nuser = "5/hour"\n[overrides]\n"user:1" = { scale = "lots" }\n')
@@ -103,7 +109,7 @@ async def test_inspect_and_reset(rules_file: Path, redis_url: str, prefix: str) 
     shown = cli("--json", "inspect", "user:7", "user:banned", url=redis_url, prefix=prefix)
     assert shown.returncode == 0, shown.stderr
     user, banned = json.loads(shown.stdout)["identifiers"]
-    assert [(p["limit"], p["remaining"]) for p in user["pairs"]] == [("5/hour", 2), ("100/day", 97)]
+    assert [(p["limit"], p["remaining"]) for p in user["pairs"]] == [(HOURLY, 2), (DAILY, 97)]
     assert user["keys"][0]["ttl_ms"] > 0 and user["keys"][0]["memory_bytes"] > 0
     assert banned["denied"] is True
     table = cli("inspect", "user:7", url=redis_url, prefix=prefix)

@@ -24,7 +24,7 @@ from aiolimit._stores.cluster import ClusterStore
 
 pytestmark = pytest.mark.cluster
 
-LIMITS = [Limit(3, per=600), Limit(5, per=3600, precision=60)]
+LIMITS = [Limit(3, per=600, precision=10), Limit(5, per=3600, precision=60)]
 
 
 def wire(limit: Limit) -> str:

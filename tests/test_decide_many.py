@@ -206,7 +206,7 @@ async def test_the_store_sends_a_pipeline_as_one_script_run_and_admits_exactly(
     """400 concurrent callers on 4 identifiers of 25 each: exactly 100 admitted, in far fewer
     script runs than decisions (the pipelines went as decide_many)."""
     await server.config_resetstat()
-    async with Limiter(redis_url, [Limit(25, per=60)], prefix=prefix) as limiter:
+    async with Limiter(redis_url, [Limit(25, per=60, precision=1)], prefix=prefix) as limiter:
         results = await asyncio.gather(*(limiter.try_acquire(f"ip:{i % 4}") for i in range(400)))
         stats = await server.info("commandstats")
         left = [(await limiter.peek(f"ip:{i}")).remaining for i in range(4)]
@@ -228,7 +228,7 @@ async def test_the_cluster_store_sends_each_slots_calls_as_one_script_run(
     nodes: tooling.Cluster = local_cluster
     for node in nodes.primaries():
         node.client.config_resetstat()
-    async with Limiter(nodes.url, [Limit(25, per=60)], prefix=prefix) as limiter:
+    async with Limiter(nodes.url, [Limit(25, per=60, precision=1)], prefix=prefix) as limiter:
         crowd = [f"ip:{i % 4}" for i in range(400)]
         lone = [f"user:{i}" for i in range(40)]
         results = await asyncio.gather(*(limiter.try_acquire(i) for i in crowd + lone))

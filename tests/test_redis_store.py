@@ -31,7 +31,7 @@ async def test_a_flush_mid_load_costs_no_error_and_no_double_charge(
         "redis_url" if server == "redis" else "valkey_server_url"
     )
     admin = redis.Redis.from_url(redis_url)
-    async with Limiter(redis_url, [Limit(1000, per=3600)], prefix=prefix) as limiter:
+    async with Limiter(redis_url, [Limit(1000, per=3600, precision=60)], prefix=prefix) as limiter:
         try:
             await limiter.peek("ip:flush")
             libraries = await admin.execute_command("FUNCTION", "LIST", "LIBRARYNAME", "aiolimit_*")
@@ -60,7 +60,7 @@ async def test_a_user_without_function_rights_falls_back_to_evalsha(
     )
     limited = redis.Redis.from_url(redis_url, username=user, password="pw")
     try:
-        async with Limiter(limited, [Limit(3, per=3600)], prefix=prefix) as limiter:
+        async with Limiter(limited, [Limit(3, per=3600, precision=60)], prefix=prefix) as limiter:
             decisions = [await limiter.try_acquire("ip:acl") for _ in range(5)]
             assert [d.allowed for d in decisions] == [True, True, True, False, False]
             assert limiter.store._words[0] == "EVALSHA"  # type: ignore[attr-defined]
@@ -74,7 +74,7 @@ async def test_many_concurrent_decisions_share_pipelines_exactly(
     redis_url: str, prefix: str
 ) -> None:
     """500 concurrent calls (several pipelines per tick) admit exactly the capacity of 120."""
-    async with Limiter(redis_url, [Limit(120, per=3600)], prefix=prefix) as limiter:
+    async with Limiter(redis_url, [Limit(120, per=3600, precision=60)], prefix=prefix) as limiter:
         decisions = await asyncio.gather(*(limiter.try_acquire("ip:burst") for _ in range(500)))
         assert sum(d.allowed for d in decisions) == 120
     stored = await _stored(redis_url, main_key(prefix, "ip:burst"))
@@ -104,7 +104,7 @@ async def test_connections_the_server_closed_between_decisions_are_replaced(
     the close has not reached this process yet (no pause after the kill): the pipeline that
     meets the closed connection is sent again on a fresh one."""
     admin = redis.Redis.from_url(redis_url)
-    async with Limiter(redis_url, [Limit(1000, per=3600)], prefix=prefix) as limiter:
+    async with Limiter(redis_url, [Limit(1000, per=3600, precision=60)], prefix=prefix) as limiter:
         try:
             for pause in (0.05, 0, 0.05, 0, 0):
                 first = await asyncio.gather(*(limiter.try_acquire("ip:kept") for _ in range(20)))
@@ -186,7 +186,7 @@ async def test_replies_are_read_exactly_with_either_parser_and_protocol(
     client = redis.Redis.from_url(redis_url, protocol=protocol, parser_class=parser_class)
     admin = redis.Redis.from_url(redis_url)
     try:
-        async with Limiter(client, [Limit(50, per=3600)], prefix=prefix) as limiter:
+        async with Limiter(client, [Limit(50, per=3600, precision=60)], prefix=prefix) as limiter:
             first = await asyncio.gather(*(limiter.try_acquire("ip:p") for _ in range(30)))
             await admin.function_flush()
             await admin.script_flush()

@@ -390,7 +390,8 @@ async def test_resent_refund_gives_back_twice_when_first_identifiers_key_expired
     refund recorded its op only in keys that existed (user:1); the resend's replay check
     reads only mains[1] = ip:1, finds 'new', and refunds user:1 again: 2 given back for 1
     asked, so user:1 admits more than 10 in its hour."""
-    limits = {"ip": [Limit(1, per=1)], "user": [Limit(10, per=3600)]}
+    hourly = Limit(10, per=3600, precision=60)  # sliding: the hour cannot end mid-test
+    limits = {"ip": [Limit(1, per=1)], "user": [hourly]}
     client = Redis(host="127.0.0.1", port=standalone_proxy.port)  # redis-py's defaults
     limiter = Limiter(client, limits, prefix=prefix)
     try:
@@ -404,7 +405,7 @@ async def test_resent_refund_gives_back_twice_when_first_identifiers_key_expired
         standalone_proxy.on_request = standalone_proxy.on_reply = None
         await limiter.aclose()
         await client.aclose()
-    stored = await charged(redis_url, prefix, "user:1", {"user": [Limit(10, per=3600)]})
+    stored = await charged(redis_url, prefix, "user:1", {"user": [hourly]})
     assert stored == 2, f"user:1 stores {stored} after 3 charged and 1 refunded"
 
 

@@ -1,4 +1,8 @@
-"""The aiohttp integration through a real aiohttp.web server and a real aiohttp client."""
+"""The aiohttp integration through a real aiohttp.web server and a real aiohttp client.
+
+Limits are sliding windows (60 s in 1 s buckets), so the counts asserted are exact however the
+test falls on the clock: a calendar-aligned minute (no ``precision``) could start afresh mid-test.
+"""
 
 from __future__ import annotations
 
@@ -99,7 +103,7 @@ def items(field: str) -> dict[str, dict[str, int]]:
 
 async def test_middleware_headers_and_problem_body(limiter_factory: Factory) -> None:
     """Allowed and refused responses carry exact RateLimit fields; a 429 is problem+json."""
-    limiter = limiter_factory({"ip": [Limit(2, per=60)]})
+    limiter = limiter_factory({"ip": [Limit(2, per=60, precision=1)]})
     async with serve(app_with([rate_limit_middleware(limiter, legacy_headers=True)])) as get:
         seen = [await get("/") for _ in range(3)]
     assert [status for status, _, _ in seen] == [200, 200, 429]
@@ -114,7 +118,9 @@ async def test_middleware_headers_and_problem_body(limiter_factory: Factory) -> 
 
 async def test_decorator_per_handler_keys_and_weight(limiter_factory: Factory) -> None:
     """@limit gives one handler its own keys and weight; several keys decide together."""
-    limiter = limiter_factory({"user": [Limit(10, per=60)], "route": [Limit(100, per=60)]})
+    limiter = limiter_factory(
+        {"user": [Limit(10, per=60, precision=1)], "route": [Limit(100, per=60, precision=1)]}
+    )
 
     @limit(limiter, keys={"user": header_key("x-user"), "route": path_key}, weight=4)
     async def search(request: web.Request) -> web.Response:
@@ -141,7 +147,7 @@ async def test_decorator_per_handler_keys_and_weight(limiter_factory: Factory) -
 
 async def test_routes_exempt_and_refunds(limiter_factory: Factory) -> None:
     """None exempts a route; refund_on_error gives the weight back on raise and on 5xx."""
-    limiter = limiter_factory([Limit(2, per=60)])
+    limiter = limiter_factory([Limit(2, per=60, precision=1)])
     middleware = rate_limit_middleware(
         limiter, routes={"/health": None, "/items/*": RouteLimit(weight=2)}, refund_on_error=True
     )
@@ -158,7 +164,7 @@ async def test_routes_exempt_and_refunds(limiter_factory: Factory) -> None:
 
 async def test_forwarded_for_trusted_and_spoofed(limiter_factory: Factory) -> None:
     """X-Forwarded-For counts only from trusted proxies, and only its rightmost untrusted hop."""
-    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    limiter = limiter_factory({"ip": [Limit(1, per=60, precision=1)]})
     trusting = rate_limit_middleware(limiter, trusted_proxies=["127.0.0.1"])
     async with serve(app_with([trusting])) as get:
         a = await get("/", headers={"X-Forwarded-For": "203.0.113.1"})
@@ -184,7 +190,9 @@ async def test_forwarded_for_trusted_and_spoofed(limiter_factory: Factory) -> No
 )
 async def test_bad_input_never_500(limiter_factory: Factory, headers: dict[str, str]) -> None:
     """Malformed forwarded headers, huge or non-ASCII keys: limited normally, never a 500."""
-    limiter = limiter_factory({"ip": [Limit(5, per=60)], "user": [Limit(5, per=60)]})
+    limiter = limiter_factory(
+        {"ip": [Limit(5, per=60, precision=1)], "user": [Limit(5, per=60, precision=1)]}
+    )
     middleware = rate_limit_middleware(
         limiter,
         keys={"ip": CLIENT_IP, "user": header_key("x-user")},
@@ -216,7 +224,7 @@ async def test_distinct_header_bytes_are_distinct_identifiers(
     limiter_factory: Factory, first: bytes, second: bytes
 ) -> None:
     """Two different raw header values never share an identifier, whatever their bytes."""
-    limiter = limiter_factory({"user": [Limit(1, per=60)]})
+    limiter = limiter_factory({"user": [Limit(1, per=60, precision=1)]})
     middleware = rate_limit_middleware(limiter, keys={"user": header_key("x-user")})
     async with running(app_with([middleware])) as base, httpx.AsyncClient(base_url=base) as client:
         statuses = [
@@ -228,7 +236,7 @@ async def test_distinct_header_bytes_are_distinct_identifiers(
 
 async def test_header_key_of_utf8_bytes_is_their_text(limiter_factory: Factory) -> None:
     """A UTF-8 header value is its text: the identifier the application would write itself."""
-    limiter = limiter_factory({"user": [Limit(5, per=60)]})
+    limiter = limiter_factory({"user": [Limit(5, per=60, precision=1)]})
     middleware = rate_limit_middleware(limiter, keys={"user": header_key("x-user")})
     async with running(app_with([middleware])) as base, httpx.AsyncClient(base_url=base) as client:
         await client.get("/", headers={"x-user": "café".encode()})
@@ -241,7 +249,7 @@ async def test_ipv6_clients_are_limited_per_64_by_default(
     limiter_factory: Factory, ipv6_prefix: int | None, shared: bool
 ) -> None:
     """Two addresses of one /64 share a budget by default; ipv6_prefix=128 keys each alone."""
-    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    limiter = limiter_factory({"ip": [Limit(1, per=60, precision=1)]})
     options: dict[str, object] = {} if ipv6_prefix is None else {"ipv6_prefix": ipv6_prefix}
     middleware = rate_limit_middleware(limiter, trusted_proxies=["127.0.0.1"], **options)  # type: ignore[arg-type]
     async with serve(app_with([middleware])) as get:

@@ -2,8 +2,9 @@
 
 Real uvicorn and aiohttp servers, real HTTP. Every test checks what the store holds
 afterwards (``peek``: the state now), so a double or a leftover charge cannot hide behind a
-well-formed response. Global limits are 60 s sliding logs and route limits are per hour,
-so the values are exact whatever the timing (a fixed minute could reset mid-test).
+well-formed response. Global limits are 60 s sliding logs and route limits are hourly sliding
+windows (``hourly``), so the values are exact whatever the timing: a calendar-aligned window
+("2/hour", "5/minute") starts afresh on the hour or the minute, which a test can straddle.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from tests.test_web_starlette import items, serve
 
 Factory = Callable[..., Limiter]
 IP = "127.0.0.1"
+
+
+def hourly(amount: int) -> list[Limit]:
+    """``amount`` per hour as a route's own limit, sliding in one-minute buckets: a charge stays
+    counted for 59 minutes at least (the string "2/hour" would forget it on the hour)."""
+    return [Limit(amount, per=3600, precision=60)]
 
 
 @pytest.fixture
@@ -119,7 +126,7 @@ async def test_a_refusal_by_the_route_limit_charges_nothing_anywhere(
     limiter_factory: Factory,
 ) -> None:
     limiter = limiter_factory({"ip": [SlidingLog(100, per=60)], "user": [SlidingLog(100, per=60)]})
-    guard = RateLimit(limiter, "2/hour", key=header_key("x-user"))
+    guard = RateLimit(limiter, hourly(2), key=header_key("x-user"))
     async with serve(readme_shape(limiter, guard)) as client:
         statuses = [
             (await client.get("/report", headers={"x-user": "bo"})).status_code for _ in range(4)
@@ -142,7 +149,7 @@ async def test_dependency_alone_answers_problem_json_without_registration(
     limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
     app = FastAPI()  # no exception handler registered, no middleware
 
-    @app.get("/one", dependencies=[Depends(RateLimit(limiter, "1/hour"))])
+    @app.get("/one", dependencies=[Depends(RateLimit(limiter, hourly(1)))])
     async def one() -> dict[str, str]:
         return {"one": "ok"}
 
@@ -164,8 +171,8 @@ async def test_dependency_alone_answers_problem_json_without_registration(
 async def test_per_route_limits_are_per_route_unless_named(limiter_factory: Factory) -> None:
     limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
     app = FastAPI()
-    per_route = RateLimit(limiter, "2/hour")
-    shared = RateLimit(limiter, "2/hour", name="exports")
+    per_route = RateLimit(limiter, hourly(2))
+    shared = RateLimit(limiter, hourly(2), name="exports")
 
     @app.get("/a", dependencies=[Depends(per_route)])
     async def a() -> str:
@@ -195,7 +202,7 @@ async def test_several_dependencies_without_middleware_are_one_decision(
 ) -> None:
     limiter = limiter_factory({"user": [SlidingLog(100, per=60)]})
     app = FastAPI()
-    burst = RateLimit(limiter, "3/hour", name="burst")
+    burst = RateLimit(limiter, hourly(3), name="burst")
     users = RateLimit(limiter, keys={"user": header_key("x-user")})
 
     @app.get("/x", dependencies=[Depends(burst), Depends(users)])
@@ -244,7 +251,7 @@ async def test_exempt_endpoint_skips_the_middleware_only(limiter_factory: Factor
     async def health() -> str:
         return "ok"
 
-    @app.get("/hook", dependencies=[Depends(RateLimit(limiter, "1/hour", name="hook"))])
+    @app.get("/hook", dependencies=[Depends(RateLimit(limiter, hourly(1), name="hook"))])
     @exempt
     async def hook() -> str:
         return "ok"
@@ -339,7 +346,7 @@ async def test_aiohttp_middleware_and_decorator_are_one_decision(
     async def search(request: web.Request) -> web.Response:
         return web.json_response({"results": []})
 
-    @aio.limit(limiter, "2/hour", key=aio.header_key("x-user"))
+    @aio.limit(limiter, hourly(2), key=aio.header_key("x-user"))
     async def export(request: web.Request) -> web.Response:
         return web.json_response({"export": "ok"})
 
@@ -377,7 +384,7 @@ async def test_aiohttp_stacked_decorators_alone_are_one_decision(
 ) -> None:
     limiter = limiter_factory({"user": [SlidingLog(100, per=60)]})
 
-    @aio.limit(limiter, "2/hour", name="burst")
+    @aio.limit(limiter, hourly(2), name="burst")
     @aio.limit(limiter, keys={"user": aio.header_key("x-user")})
     async def handler(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -420,7 +427,7 @@ async def test_a_route_layer_asking_for_refunds_gets_them_under_the_middleware(
     limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
     app = FastAPI()
     app.add_middleware(RateLimitMiddleware, limiter=limiter, keys={"ip": lambda r: IP})
-    guard = RateLimit(limiter, "50/hour", name="upstream", refund_on_error=True)
+    guard = RateLimit(limiter, hourly(50), name="upstream", refund_on_error=True)
 
     @app.get("/fail", dependencies=[Depends(guard)])
     async def fail() -> None:
@@ -446,7 +453,7 @@ async def test_deny_list_is_403_and_shadow_rules_never_429(redis_url: str, prefi
 
     rules = RuleSet.from_mapping(
         {
-            "kinds": {"ip": "2/hour", "user": {"limits": "1/hour", "shadow": True}},
+            "kinds": {"ip": hourly(2), "user": {"limits": hourly(1), "shadow": True}},
             "deny": ["user:mallory"],
         }
     )
@@ -486,7 +493,7 @@ async def test_router_level_dependencies_are_judged_once_and_405_charges_no_rout
     app = FastAPI()
     app.add_middleware(RateLimitMiddleware, limiter=limiter, keys={"ip": lambda r: IP})
     for prefix in ("/v1", "/v2"):
-        router = APIRouter(prefix=prefix, dependencies=[Depends(RateLimit(limiter, "3/hour"))])
+        router = APIRouter(prefix=prefix, dependencies=[Depends(RateLimit(limiter, hourly(3)))])
 
         @router.get("/items/{item_id}")
         async def item(item_id: int) -> dict[str, int]:
@@ -517,7 +524,7 @@ async def test_included_router_scopes_carry_the_prefix_without_middleware(
     from fastapi import APIRouter
 
     limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
-    guard = RateLimit(limiter, "2/hour")
+    guard = RateLimit(limiter, hourly(2))
     app = FastAPI()
     router = APIRouter()
 
@@ -538,7 +545,7 @@ async def test_included_router_scopes_carry_the_prefix_without_middleware(
 async def test_two_middlewares_make_one_request_judged_once(limiter_factory: Factory) -> None:
     a = limiter_factory({"ip": [SlidingLog(100, per=60)]}, name="-a")
     b = limiter_factory({"user": [SlidingLog(2, per=60)]}, name="-b")
-    guard = RateLimit(a, "10/hour", name="r")
+    guard = RateLimit(a, hourly(10), name="r")
     app = FastAPI()
 
     @app.get("/x", dependencies=[Depends(guard)])
@@ -567,11 +574,11 @@ async def test_aiohttp_two_middlewares_and_head_shares_get_budget(
     a = limiter_factory({"ip": [SlidingLog(100, per=60)]}, name="-a")
     b = limiter_factory({"user": [SlidingLog(2, per=60)]}, name="-b")
 
-    @aio.limit(a, "10/hour", name="r")
+    @aio.limit(a, hourly(10), name="r")
     async def handler(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    @aio.limit(a, "2/hour")
+    @aio.limit(a, hourly(2))
     async def pinged(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -596,7 +603,7 @@ async def test_a_refund_is_given_once_and_only_where_asked(limiter_factory: Fact
     """The middleware wraps the app directly; the dependency asks for refunds, the middleware
     does not. A 502 gives back the dependency's charge once, not the middleware's."""
     limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
-    guard = RateLimit(limiter, "50/hour", name="up", refund_on_error=True)
+    guard = RateLimit(limiter, hourly(50), name="up", refund_on_error=True)
     inner = FastAPI()
 
     @inner.get("/ok", dependencies=[Depends(guard)])
@@ -619,7 +626,7 @@ async def test_a_refund_is_given_once_and_only_where_asked(limiter_factory: Fact
 async def test_aiohttp_decorator_judged_late_still_refunds(limiter_factory: Factory) -> None:
     limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
 
-    @aio.limit(limiter, "50/hour", name="up", refund_on_error=True)
+    @aio.limit(limiter, hourly(50), name="up", refund_on_error=True)
     async def upstream(request: web.Request) -> web.Response:
         raise web.HTTPBadGateway()
 
@@ -660,7 +667,7 @@ async def test_a_route_added_late_is_judged_in_one_decision_after_its_first_requ
     from fastapi import APIRouter
 
     limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
-    guard = RateLimit(limiter, "10/hour", name="late")
+    guard = RateLimit(limiter, hourly(10), name="late")
     app = FastAPI()
     app.add_middleware(RateLimitMiddleware, limiter=limiter, keys={"ip": lambda r: IP})
     router = APIRouter()

@@ -1,7 +1,8 @@
 """The Starlette/FastAPI integration through a real uvicorn server and real HTTP (httpx).
 
-Limits are large windows (60 s) or checked against the window they report, so values are
-exact however long a request takes.
+Limits are sliding windows (``precision=`` 1 s for 60 s, 60 s for an hour), so values are exact
+however long a request takes: a calendar-aligned window (no ``precision``) would start afresh
+whenever a test straddles a multiple of its period.
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def items(field: str) -> dict[str, dict[str, int]]:
 
 async def test_headers_on_allowed_and_refused_responses(limiter_factory: Factory) -> None:
     """Every limited response carries RateLimit-Policy and RateLimit with exact values."""
-    limiter = limiter_factory({"ip": [Limit(3, per=60), Limit(100, per=3600)]})
+    limiter = limiter_factory(
+        {"ip": [Limit(3, per=60, precision=1), Limit(100, per=3600, precision=60)]}
+    )
     async with serve(starlette_app(limiter)) as client:
         seen = [await client.get("/") for _ in range(4)]
     assert [r.status_code for r in seen] == [200, 200, 200, 429]
@@ -136,7 +139,7 @@ async def test_headers_on_allowed_and_refused_responses(limiter_factory: Factory
 
 async def test_refused_body_and_retry_after(limiter_factory: Factory) -> None:
     """A 429 has an RFC 9457 body and an integer Retry-After equal to the refusing t."""
-    limiter = limiter_factory([Limit(1, per=60)])
+    limiter = limiter_factory([Limit(1, per=60, precision=1)])
     async with serve(starlette_app(limiter)) as client:
         await client.get("/")
         refused = await client.get("/")
@@ -153,7 +156,9 @@ async def test_refused_body_and_retry_after(limiter_factory: Factory) -> None:
 
 async def test_several_keys_are_one_all_or_nothing_decision(limiter_factory: Factory) -> None:
     """ip and user keys are decided together: refused by one, charged on neither."""
-    limiter = limiter_factory({"ip": [Limit(100, per=60)], "user": [Limit(2, per=60)]})
+    limiter = limiter_factory(
+        {"ip": [Limit(100, per=60, precision=1)], "user": [Limit(2, per=60, precision=1)]}
+    )
     app = starlette_app(limiter, keys={"ip": CLIENT_IP, "user": header_key("x-user")})
     async with serve(app) as client:
         statuses = [
@@ -173,8 +178,8 @@ async def test_several_keys_are_one_all_or_nothing_decision(limiter_factory: Fac
 
 async def test_routes_weights_and_exemptions(limiter_factory: Factory) -> None:
     """A route can weigh more or use another limiter; None exempts it (no headers)."""
-    limiter = limiter_factory([Limit(10, per=60)])
-    strict = limiter_factory({"route": [Limit(1, per=60)]})
+    limiter = limiter_factory([Limit(10, per=60, precision=1)])
+    strict = limiter_factory({"route": [Limit(1, per=60, precision=1)]})
     app = starlette_app(
         limiter,
         routes={
@@ -199,7 +204,7 @@ async def test_routes_weights_and_exemptions(limiter_factory: Factory) -> None:
 
 async def test_refund_on_exception_and_5xx(limiter_factory: Factory) -> None:
     """With refund_on_error, a raising handler or a 5xx answer gives the weight back."""
-    limiter = limiter_factory([Limit(2, per=60)])
+    limiter = limiter_factory([Limit(2, per=60, precision=1)])
     async with serve(starlette_app(limiter, refund_on_error=True)) as client:
         failures = [(await client.get(path)).status_code for path in ["/boom", "/unavailable"] * 3]
         ok = await client.get("/")
@@ -209,7 +214,7 @@ async def test_refund_on_exception_and_5xx(limiter_factory: Factory) -> None:
 
 async def test_no_refund_by_default(limiter_factory: Factory) -> None:
     """Without refund_on_error, failed requests count like any other."""
-    limiter = limiter_factory([Limit(2, per=60)])
+    limiter = limiter_factory([Limit(2, per=60, precision=1)])
     async with serve(starlette_app(limiter)) as client:
         await client.get("/boom")
         ok = await client.get("/")
@@ -222,7 +227,7 @@ async def test_spoofed_forwarded_for_from_untrusted_peer_is_ignored(
     limiter_factory: Factory,
 ) -> None:
     """X-Forwarded-For from a peer that is not a trusted proxy changes nothing."""
-    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    limiter = limiter_factory({"ip": [Limit(1, per=60, precision=1)]})
     app = starlette_app(limiter, trusted_proxies=["10.0.0.0/8"])
     async with serve(app) as client:
         first = await client.get("/", headers={"x-forwarded-for": "203.0.113.1"})
@@ -232,7 +237,7 @@ async def test_spoofed_forwarded_for_from_untrusted_peer_is_ignored(
 
 async def test_forwarded_for_from_trusted_proxy_is_honoured(limiter_factory: Factory) -> None:
     """From a trusted proxy, the rightmost untrusted hop is the client; left hops are ignored."""
-    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    limiter = limiter_factory({"ip": [Limit(1, per=60, precision=1)]})
     app = starlette_app(limiter, trusted_proxies=["127.0.0.0/8", "10.0.0.0/8"])
     async with serve(app) as client:
         a = await client.get("/", headers={"x-forwarded-for": "1.1.1.1, 203.0.113.1, 10.0.0.5"})
@@ -253,7 +258,9 @@ async def test_forwarded_for_from_trusted_proxy_is_honoured(limiter_factory: Fac
 )
 async def test_bad_input_never_500(limiter_factory: Factory, headers: dict[str, str]) -> None:
     """Malformed forwarded headers, huge and non-ASCII key values: an answer, never a 500."""
-    limiter = limiter_factory({"ip": [Limit(5, per=60)], "user": [Limit(5, per=60)]})
+    limiter = limiter_factory(
+        {"ip": [Limit(5, per=60, precision=1)], "user": [Limit(5, per=60, precision=1)]}
+    )
     app = starlette_app(
         limiter,
         keys={"ip": CLIENT_IP, "user": header_key("x-user")},
@@ -294,7 +301,7 @@ def fastapi_app(limiter: Limiter, **options: object) -> FastAPI:
 
 async def test_fastapi_dependency_headers_body_and_client_ip(limiter_factory: Factory) -> None:
     """Depends(RateLimit(...)) limits one route, sets headers, and 429s with problem+json."""
-    limiter = limiter_factory({"ip": [Limit(2, per=60)]})
+    limiter = limiter_factory({"ip": [Limit(2, per=60, precision=1)]})
     app = fastapi_app(limiter, weight=1, trusted_proxies=["127.0.0.1"])
     async with serve(app) as client:
         first = await client.get("/who", headers={"x-forwarded-for": "203.0.113.9"})
@@ -312,7 +319,7 @@ async def test_fastapi_dependency_headers_body_and_client_ip(limiter_factory: Fa
 
 async def test_fastapi_dependency_refunds_5xx_but_not_4xx(limiter_factory: Factory) -> None:
     """An HTTPException >= 500 is refunded, one below 500 is a normal, charged answer."""
-    limiter = limiter_factory({"ip": [Limit(3, per=60)]})
+    limiter = limiter_factory({"ip": [Limit(3, per=60, precision=1)]})
     app = fastapi_app(limiter, refund_on_error=True)
     async with serve(app) as client:
         failed = [(await client.get("/fail")).status_code for _ in range(4)]
@@ -341,7 +348,7 @@ async def test_distinct_header_bytes_are_distinct_identifiers(
     limiter_factory: Factory, first: bytes, second: bytes
 ) -> None:
     """Two different raw header values never share an identifier, whatever their bytes."""
-    limiter = limiter_factory({"user": [Limit(1, per=60)]})
+    limiter = limiter_factory({"user": [Limit(1, per=60, precision=1)]})
     app = starlette_app(limiter, keys={"user": header_key("x-user")})
     async with serve(app) as client:
         statuses = [
@@ -353,7 +360,7 @@ async def test_distinct_header_bytes_are_distinct_identifiers(
 
 async def test_header_key_of_utf8_bytes_is_their_text(limiter_factory: Factory) -> None:
     """A UTF-8 header value is its text (as on aiohttp), not its bytes read as Latin-1."""
-    limiter = limiter_factory({"user": [Limit(5, per=60)]})
+    limiter = limiter_factory({"user": [Limit(5, per=60, precision=1)]})
     app = starlette_app(limiter, keys={"user": header_key("x-user")})
     async with serve(app) as client:
         await client.get("/", headers={"x-user": "café".encode()})
@@ -366,7 +373,7 @@ async def test_ipv6_clients_are_limited_per_64_by_default(
     limiter_factory: Factory, ipv6_prefix: int | None, shared: bool
 ) -> None:
     """Two addresses of one /64 share a budget by default; ipv6_prefix=128 keys each alone."""
-    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    limiter = limiter_factory({"ip": [Limit(1, per=60, precision=1)]})
     options: dict[str, object] = {} if ipv6_prefix is None else {"ipv6_prefix": ipv6_prefix}
     app = starlette_app(limiter, trusted_proxies=["127.0.0.1"], **options)
     async with serve(app) as client:
@@ -386,7 +393,7 @@ async def test_ipv6_clients_are_limited_per_64_by_default(
 
 async def test_fastapi_dependency_keys_ipv6_per_64(limiter_factory: Factory) -> None:
     """The FastAPI dependency groups IPv6 clients per /64 by default too."""
-    limiter = limiter_factory({"ip": [Limit(1, per=60)]})
+    limiter = limiter_factory({"ip": [Limit(1, per=60, precision=1)]})
     app = fastapi_app(limiter, trusted_proxies=["127.0.0.1"])
     async with serve(app) as client:
         first = await client.get("/who", headers={"x-forwarded-for": "2001:db8::1"})
