@@ -16,6 +16,8 @@ Scenarios, each on fresh identifiers, times from the server's TIME:
 - ``2x3+op``: 2 identifiers x 3 sliding limits, with an op id;
 - ``many 1x1`` and ``many 2x3`` (libraries that have ``decide_many``): the acquires above sent
   16 to an FCALL over 4 identifiers, as the stores send a pipeline: server µs per decision;
+- ``many 1x1 spread``: the same over 256 identifiers (as ``bench.bench``'s 64 tasks x 4
+  identifiers each), so a batch rarely touches one key twice;
 - ``floor``: what any script of this kind pays, with no logic at all: one FCALL that reads
   TIME, HGETALLs a small hash, HSETs 3 fields of it and returns 7 integers.
 
@@ -38,7 +40,9 @@ from aiolimit import Limit, Limiter
 from aiolimit._calls import SCRIPT_FILES, Call, Mode, encode, lua_dir
 from aiolimit._stores.resp import command_head, pack_many
 
-SCENARIOS = ("check", "acquire+op", "acquire+16 open", "2x3+op", "many 1x1", "many 2x3")
+SCENARIOS = (
+    "check", "acquire+op", "acquire+16 open", "2x3+op", "many 1x1", "many 1x1 spread", "many 2x3"
+)  # fmt: skip
 FLOOR = """#!lua name=cost_floor
 redis.register_function('cost_floor', function(keys, args)
   local t = redis.call('TIME')
@@ -79,10 +83,14 @@ def program(scenario: str, run: int, count: int) -> list[Call]:
     three = Limiter("memory://", THREE, prefix="cost")
     calls = []
     for i in range(1, count + 1):
-        who = f"{run}:{i % 4}" if scenario.startswith("many") else f"{run}"
+        who = f"{run}"
+        if scenario == "many 1x1 spread":  # (as the bench's 64 tasks x 4 identifiers)
+            who = f"{run}:{i % 256}"
+        elif scenario.startswith("many"):
+            who = f"{run}:{i % 4}"
         if scenario == "check":
             calls.append(encode(Mode.CHECK, one._rules.plans(f"ip:{who}"), 1, None, 0))
-        elif scenario in ("acquire+op", "many 1x1"):
+        elif scenario in ("acquire+op", "many 1x1", "many 1x1 spread"):
             plans = one._rules.plans(f"ip:{who}")
             calls.append(encode(Mode.ACQUIRE, plans, 1, None, 0, f"c{run}:{i}:"))
         elif scenario == "acquire+16 open":
