@@ -236,6 +236,11 @@ class _DeadlineScope:
         self.expired = False
 
     async def __aenter__(self) -> None:
+        self.enter()
+
+    def enter(self) -> None:
+        """Starts the scope (what ``__aenter__`` does, without a coroutine: the limiter's own
+        decision path calls ``enter`` and ``leave`` around its await)."""
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("a decision's deadline needs a running task")
@@ -257,6 +262,12 @@ class _DeadlineScope:
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:  # fmt: skip
+        self.leave(exc_type)
+        return False
+
+    def leave(self, exc_type: type[BaseException] | None) -> None:
+        """Ends the scope, the decision having ended with ``exc_type`` (None: it returned).
+        Raises ``DeadlineExceeded`` where the decision was cancelled by this deadline."""
         self.running = False
         task, self._task = self._task, None  # (the entry may outlive the decision a while)
         try:
@@ -272,7 +283,6 @@ class _DeadlineScope:
                     f"store at {self._address} gave no decision within the deadline of "
                     f"{self._seconds:g}s"
                 ) from TimeoutError()
-            return False
         finally:
             if self._token is not None:
                 DECISION_DEADLINE.reset(self._token)
@@ -285,6 +295,12 @@ class _NoDeadline:
         return None
 
     async def __aexit__(self, *exc_info: object) -> None:
+        return None
+
+    def enter(self) -> None:
+        return None
+
+    def leave(self, exc_type: type[BaseException] | None) -> None:
         return None
 
 
@@ -308,6 +324,8 @@ class FailurePolicy:
             )
         self.deadline_seconds = check_optional_seconds("deadline", deadline, 0, 3600, open_low=True)
         self._wheels: dict[tuple[asyncio.AbstractEventLoop, float], _DeadlineWheel] = {}
+        self._last_wheel: _DeadlineWheel | None = None  # the one used last, and its seconds
+        self._last_seconds = 0.0
         self.on_error: OnError = on_error
         #: The breaker of the whole store; a cluster node gets one of its own, alike
         #: (``breaker_for``), so a frozen node's failures refuse only what needs that node.
@@ -341,6 +359,14 @@ class FailurePolicy:
     def _wheel(self, seconds: float) -> _DeadlineWheel:
         """The deadline timer of this policy's decisions on the running loop."""
         loop = asyncio.get_running_loop()
+        last = self._last_wheel
+        if last is not None and last._loop is loop and self._last_seconds == seconds:
+            return last
+        wheel = self._find_wheel(loop, seconds)
+        self._last_wheel, self._last_seconds = wheel, seconds
+        return wheel
+
+    def _find_wheel(self, loop: asyncio.AbstractEventLoop, seconds: float) -> _DeadlineWheel:
         wheels = self._wheels
         wheel = wheels.get((loop, seconds))
         if wheel is None:

@@ -264,18 +264,31 @@ class Limiter:
         """One decision under the failure policy: deadline, breaker, ``on_error``."""
         self._check_usable()
         failure = self._failure
-        breakers = self._breakers(plans)
-        for index, breaker in enumerate(breakers):
-            if not breaker.allow():
-                for taken in breakers[:index]:
-                    taken.record_abandoned()
+        if self._store.single_slot:
+            breaker = failure.breaker
+            if breaker.state != "closed" and not breaker.allow():  # (closed: it allows)
                 return failure.short_circuit()
+            breakers: tuple[CircuitBreaker, ...] = (breaker,)
+        else:
+            breakers = self._breakers(plans)
+            for index, breaker in enumerate(breakers):
+                if not breaker.allow():
+                    for taken in breakers[:index]:
+                        taken.record_abandoned()
+                    return failure.short_circuit()
+        scope = failure.deadline()
         try:
-            async with failure.deadline():
+            # ``async with scope`` written out: two coroutines fewer per decision.
+            scope.enter()
+            try:
                 if mode is ACQUIRE:
                     decision = await self._protocol.acquire(plans, weight, max_wait_us)
                 else:
                     decision = await self._protocol.decide(mode, plans, weight)
+            except BaseException as error:
+                scope.leave(type(error))  # (raises DeadlineExceeded if the deadline cut it)
+                raise
+            scope.leave(None)
         except BackendError as exc:
             self._counts["errors"] += 1
             return failure.failed(exc, breakers)
@@ -304,7 +317,10 @@ class Limiter:
         if self._follower is not None:
             await self._follow(ids)
         plans = self._rules.plans(ids)
-        return await self._try(plans, check_weight(weight, plans), 0)
+        weight = check_weight(weight, plans)
+        if self._metrics is None and not self._rules_special:
+            return await self._try_store(plans, weight, 0)  # (``_try``'s common path)
+        return await self._try(plans, weight, 0)
 
     async def _follow(self, ids: Identifiers) -> None:
         """Rules from Redis: read before the first decision; overrides looked up on demand."""

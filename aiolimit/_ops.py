@@ -59,6 +59,14 @@ class OpLedger:
         self._next += 1
         stamp = self._next
         book = self._open
+        if len(keys) == 1:  # (the stamps of one key are unique and ascending already)
+            stamps = book.get(keys[0])
+            if stamps is None:
+                book[keys[0]] = {stamp: None}
+                return Op(self.client, stamp)
+            open_ = tuple(islice(stamps, MAX_OPEN))
+            stamps[stamp] = None
+            return Op(self.client, stamp, open_)
         older: list[int] = []
         for key in keys:
             stamps = book.get(key)

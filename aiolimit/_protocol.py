@@ -92,6 +92,7 @@ from aiolimit._calls import (
     decision,
     decode,
     encode,
+    reply_decision,
 )
 from aiolimit._clock import Clock, ServerClock
 from aiolimit._deadline import DECISION_DEADLINE
@@ -247,10 +248,10 @@ class Protocol:
                 mode, plans, weight, now_us, self._slack_ms, "" if op is None else op.wire,
                 self._penalty, max_wait_us,
             )  # fmt: skip
-            result = (await self._store.run((call,)))[0]
+            result = await self._store.run_one(call)
             if isinstance(result, BaseException):
                 raise result
-            return decision(decode(call, result))
+            return reply_decision(call, result)
         groups = self._groups(plans)
         if len(groups) == 1:
             self.statistics.single_slot += 1
@@ -280,12 +281,35 @@ class Protocol:
         is answered every later call acks past the op, so a copy arriving later still charges
         nothing. A client that resends a call by itself resends the same op, which replays.
         """
-        keys = [plan.keys[0] for plan in plans]
-        slots = await self._enter(keys)
+        if len(plans) == 1:
+            key = plans[0].keys[0]
+            keys = [key]
+            in_flight = self._in_flight
+            count = in_flight.get(key, 0)
+            if count < MAX_IN_FLIGHT and key not in self._queued:
+                in_flight[key] = count + 1  # (``_enter`` without a wait, written out)
+                slots = keys
+            else:
+                slots = await self._enter(keys)
+        else:
+            keys = [plan.keys[0] for plan in plans]
+            slots = await self._enter(keys)
         try:
             op = self.ops.open(keys)
             try:
-                result = await self.decide(ACQUIRE, plans, weight, op, max_wait_us)
+                if self._server_time and self._store.single_slot:
+                    # ``decide``'s common path, written out here: one coroutine fewer.
+                    self.statistics.single_slot += 1
+                    call = encode(
+                        ACQUIRE, plans, weight, None, self._slack_ms, op.wire, self._penalty,
+                        max_wait_us,
+                    )  # fmt: skip
+                    reply = await self._store.run_one(call)
+                    if isinstance(reply, BaseException):
+                        raise reply
+                    result = reply_decision(call, reply)
+                else:
+                    result = await self.decide(ACQUIRE, plans, weight, op, max_wait_us)
             except BaseException as error:
                 if getattr(error, "_aiolimit_undone", None) == op.stamp:
                     self.ops.settle(keys, op)  # the two phases undid it already
@@ -302,7 +326,9 @@ class Protocol:
             held.append(Turn(plans, weight, op, keys))
         else:
             self.ops.settle(keys, op)
-        if result.allowed and any(plan.has_leases for plan in plans):
+        if result.allowed and (
+            plans[0].has_leases if len(plans) == 1 else any(plan.has_leases for plan in plans)
+        ):
             result = replace(result, lease=Lease(self, plans, weight, op))
         return result
 

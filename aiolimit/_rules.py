@@ -207,7 +207,13 @@ class Rules:
     def plans(self, ids: object) -> list[IdentifierPlan]:
         """Validates a call's identifiers; duplicates count once, order is kept."""
         if isinstance(ids, str):
+            if ids:  # (the commonest call: one identifier)
+                return [self.plan_for(ids)]
             ids = (ids,)
+        elif (type(ids) is list or type(ids) is tuple) and len(ids) == 1:
+            identifier = ids[0]
+            if type(identifier) is str and identifier:
+                return [self.plan_for(identifier)]
         elif not isinstance(ids, (list, tuple, set, frozenset)):
             raise InvalidRequestError(
                 f"identifiers must be a str or a list/tuple of str, got {type(ids).__name__}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import pytest
 from redis.asyncio import Redis
@@ -165,6 +165,10 @@ class RecordingStore(RedisStore):
     async def run(self, calls: Sequence[ScriptCall]) -> list[Result]:
         self.seen.append(time_left())
         return await super().run(calls)
+
+    def run_one(self, call: ScriptCall) -> Awaitable[Result]:
+        self.seen.append(time_left())
+        return super().run_one(call)
 
 
 async def test_store_sees_the_decision_deadline(redis_url: str, prefix: str) -> None:

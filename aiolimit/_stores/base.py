@@ -9,7 +9,7 @@ compensate or undo (the protocol does all of that) and it never reads a call's a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Protocol
 
 from aiolimit._clock import Clock
@@ -53,6 +53,17 @@ class Store(ABC):
         The calls of one ``run`` may go to different slots. Errors are values, translated
         into aiolimit's errors; a cancellation of the caller is raised.
         """
+
+    def run_one(self, call: ScriptCall) -> Awaitable[Result]:
+        """``run`` of one call, awaited at once by the caller: its reply or its error.
+
+        A store may answer with a future rather than a coroutine (a decision's common path
+        awaits one frame fewer); cancelling the awaiting task cancels the call as ``run``
+        would."""
+        return self._run_one(call)
+
+    async def _run_one(self, call: ScriptCall) -> Result:
+        return (await self.run((call,)))[0]
 
     def fault_domain(self, key: str) -> str:
         """What fails together with ``key`` (a cluster node), for per-domain circuit breakers;

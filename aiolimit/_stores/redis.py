@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -95,6 +95,21 @@ class RedisStore(Store):
             for future in futures:
                 future.cancel()
             raise
+
+    def run_one(self, call: ScriptCall) -> Awaitable[Result]:
+        # ``run`` for one call, without a coroutine of its own on the batched path: the
+        # caller awaits the batcher's future itself (its cancellation cancels the future,
+        # which drops the call if it has not left yet).
+        if self._direct_in_flight == 0 and self._batcher.idle:
+            return self._run_direct(call)
+        return self._batcher.submit(call.keys, call.args, 0.0)
+
+    async def _run_direct(self, call: ScriptCall) -> Result:
+        self._direct_in_flight += 1
+        try:
+            return (await self._execute((call,)))[0]
+        finally:
+            self._direct_in_flight -= 1
 
     async def _send_tick(self, calls: list[Pending]) -> None:
         for call, result in zip(calls, await self._execute(calls), strict=True):
