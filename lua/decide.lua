@@ -378,15 +378,18 @@ end
 -- One call. Loaded with EVAL the script ends with `return decide(KEYS, ARGV)`; as a FUNCTION
 -- library, the registered function calls it (aiolimit/_calls.py builds both from these files).
 -- `batch` is given by decide_many (below) only: the main keys stay loaded from one call of the
--- batch to the next, and the server's TIME is read once per batch.
-local function decide(KEYS, ARGV, batch)
+-- batch to the next, and the server's TIME is read once per batch. decide_many also gives where
+-- the call's keys and arguments sit in its own KEYS and ARGV: ko and ao (offsets), nk and na
+-- (counts); the call reads KEYS[ko + i] and ARGV[ao + i] (no copy of them is made).
+local function decide(KEYS, ARGV, batch, ko, ao, nk, na)
+  ko, ao = ko or 0, ao or 0
   call_seq = call_seq + 1
   if not batch then loaded = {} end
   now_text = nil
-  slack = tonumber(ARGV[4])
+  slack = tonumber(ARGV[ao + 4])
   CALL.slack = slack or 0
-  local mode = ARGV[1]
-  if ARGV[2] == '' then
+  local mode = ARGV[ao + 1]
+  if ARGV[ao + 2] == '' then
     if batch and batch.now then
       now = batch.now
     else
@@ -395,11 +398,11 @@ local function decide(KEYS, ARGV, batch)
       if batch then batch.now = now end
     end
   else
-    now = tonumber(ARGV[2])
+    now = tonumber(ARGV[ao + 2])
   end
-  local weight = tonumber(ARGV[3])
-  op = ARGV[5]
-  local flags = ARGV[6]
+  local weight = tonumber(ARGV[ao + 3])
+  op = ARGV[ao + 5]
+  local flags = ARGV[ao + 6]
   local penalty = false
   max_wait = 0
   if flags ~= '' then
@@ -410,9 +413,17 @@ local function decide(KEYS, ARGV, batch)
   local previous = npairs
   npairs = 0
   local key_base = 0
-  for b = 1, tonumber(ARGV[7]) do
-    local block, err = parse_block(ARGV[7 + b])
+  local nblocks = tonumber(ARGV[ao + 7])
+  if not nblocks or 7 + nblocks > (na or #ARGV - ao) then
+    return redis.error_reply('ERR aiolimit: bad block count ' .. tostring(ARGV[ao + 7]))
+  end
+  nk = nk or #KEYS - ko
+  for b = 1, nblocks do
+    local block, err = parse_block(ARGV[ao + 7 + b])
     if not block then return redis.error_reply(err) end
+    if key_base + block.nkeys > nk then
+      return redis.error_reply('ERR aiolimit: the blocks name more keys than the call has')
+    end
     local specs = block.specs
     for j = 1, #specs do
       local spec = specs[j]
@@ -423,8 +434,8 @@ local function decide(KEYS, ARGV, batch)
         PAIRS[npairs] = pair
       end
       pair.spec = spec
-      pair.main = KEYS[key_base + 1]
-      pair.aux = spec.aux > 0 and KEYS[key_base + spec.aux] or nil
+      pair.main = KEYS[ko + key_base + 1]
+      pair.aux = spec.aux > 0 and KEYS[ko + key_base + spec.aux] or nil
       pair.code, pair.letter, pair.algo = spec.code, spec.letter, spec.algo
       pair.amount, pair.period, pair.param = spec.amount, spec.period, spec.param
       pair.period_s, pair.param_s = spec.period_s, spec.param_s
@@ -463,17 +474,19 @@ local function decide(KEYS, ARGV, batch)
 
   op_client, op_stamp, op_floor, op_open_text = nil, 0, 0, ''
   if op ~= '' then
-    local client, stamp, open = string.match(op, '^(%w+):(%d+):([%d,]*)$')
+    local id, client, stamp, open = string.match(op, '^((%w+):(%d+)):([%d,]*)$')
     if not client then return redis.error_reply('ERR aiolimit: bad op ' .. op) end
     op_client, op_stamp = client, tonumber(stamp)
     op_floor = op_stamp
     op_open_text = open
-    -- The open stamps are ascending (aiolimit/_ops.py sorts them): the first is the oldest.
-    local oldest = tonumber(string.match(open, '%d+'))
-    if oldest and oldest < op_floor then op_floor = oldest end
+    if open ~= '' then
+      -- The open stamps are ascending (aiolimit/_ops.py sorts them): the first is the oldest.
+      local oldest = tonumber(string.match(open, '%d+'))
+      if oldest and oldest < op_floor then op_floor = oldest end
+    end
     op_field = 'o:' .. client
     op_entry = fmt(op_stamp) .. '@'
-    op = client .. ':' .. stamp
+    op = id
   end
 
   if mode == 'check' or mode == 'peek' then
@@ -631,10 +644,7 @@ local function decide_many(KEYS, ARGV)
   loaded = {}
   for c = 1, n do
     local at = starts[c]
-    local keys, args = {}, {}
-    for i = 1, at[3] do keys[i] = KEYS[at[1] + i] end
-    for i = 1, at[4] do args[i] = ARGV[at[2] + 1 + i] end
-    local ok, reply = pcall(decide, keys, args, batch)
+    local ok, reply = pcall(decide, KEYS, ARGV, batch, at[1], at[2] + 1, at[3], at[4])
     if ok then
       replies[c] = reply
     else

@@ -171,9 +171,9 @@ async def test_a_batch_decides_and_writes_exactly_as_its_calls_one_by_one(
 async def test_a_call_that_fails_part_way_is_its_own_error_and_writes_nothing(
     server: Redis, prefix: str
 ) -> None:
-    """The middle call names a key it was not given: the script raises at its first read.
-    The calls around it answer as they would alone, and the last sees only the first's
-    charge."""
+    """The middle call's block names a key the call was not given: it is refused before it
+    reads anything (it must not take the next call's key for its own). The calls around it
+    answer as they would alone, and the last sees only the first's charge."""
     limiter = Limiter("memory://", [Limit(10, per=60)], prefix=prefix)
     plans = limiter._rules.plans("ip:x")
     first = encode(Mode.ACQUIRE, plans, 3, T0, 0, "c:1:")
@@ -186,6 +186,43 @@ async def test_a_call_that_fails_part_way_is_its_own_error_and_writes_nothing(
     assert last_reply[0] == 1 and last_reply[4] == 5  # 10 - 3 - 2: nothing of the 4
     peek = encode(Mode.PEEK, plans, 0, T0, 0)
     assert (await _one_by_one(server, [peek]))[0][4] == 5
+
+
+async def test_a_call_that_raises_part_way_is_its_own_error(server: Redis, prefix: str) -> None:
+    """The middle call's second identifier is not a hash: its read raises (WRONGTYPE) after
+    its first identifier was loaded. That call alone fails; the batch drops what it held
+    loaded, and the last call sees exactly the first's charge."""
+    limiter = Limiter("memory://", [Limit(10, per=60)], prefix=prefix)
+    plans = limiter._rules.plans("ip:x")
+    both = limiter._rules.plans(["ip:x", "ip:not-a-hash"])
+    await server.set(both[1].keys[0], "a string")
+    first = encode(Mode.ACQUIRE, plans, 3, T0, 0, "c:1:")
+    broken = encode(Mode.ACQUIRE, both, 4, T0, 0, "c:2:")
+    last = encode(Mode.ACQUIRE, plans, 2, T0, 0, "c:3:")
+    first_reply, failed, last_reply = await _many(server, [first, broken, last])
+    assert first_reply[0] == 1 and first_reply[4] == 7
+    assert failed[0] == "error" and "WRONGTYPE" in failed[1]
+    assert last_reply[0] == 1 and last_reply[4] == 5
+    assert await server.get(both[1].keys[0]) == b"a string"
+
+
+async def test_a_call_with_fewer_blocks_than_it_announces_is_refused(
+    server: Redis, prefix: str
+) -> None:
+    """A call announcing more identifier blocks than it carries is an error of its own, alone
+    or in a batch (in a batch it must not read the next call's arguments as its blocks)."""
+    limiter = Limiter("memory://", [Limit(10, per=60)], prefix=prefix)
+    plans = limiter._rules.plans("ip:x")
+    good = encode(Mode.ACQUIRE, plans, 3, T0, 0, "c:1:")
+    short = encode(Mode.ACQUIRE, plans, 4, T0, 0, "c:2:")
+    short = Call(short.mode, short.keys, [*short.args[:6], 2, *short.args[7:]], short.plans)
+    (alone,) = await _one_by_one(server, [short])
+    assert alone[0] == "error" and "bad block count" in alone[1]
+    first_reply, failed, last_reply = await _many(server, [good, short, good])
+    assert failed[0] == "error" and "bad block count" in failed[1]
+    assert first_reply[0] == 1 and first_reply[4] == 7
+    assert last_reply[0] == 1 and last_reply[1] == 1  # the same op again: a replay
+    assert await _state(server, prefix) != {}
 
 
 async def test_a_batch_with_a_bad_layout_runs_none_of_its_calls(server: Redis, prefix: str) -> None:
