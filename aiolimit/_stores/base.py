@@ -59,7 +59,8 @@ class Store(ABC):
 
         A store may answer with a future rather than a coroutine (a decision's common path
         awaits one frame fewer); cancelling the awaiting task cancels the call as ``run``
-        would."""
+        would. A store that overrides ``run`` of one that overrides this (``RedisStore``)
+        overrides this too: single calls do not go through ``run`` there."""
         return self._run_one(call)
 
     async def _run_one(self, call: ScriptCall) -> Result:
