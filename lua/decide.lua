@@ -67,6 +67,13 @@ local function parse_block(text)
   local v = {}
   for value in string.gmatch(text, '[^,]+') do v[#v + 1] = value end
   block = {nkeys = tonumber(v[1]), specs = {}}
+  -- A block names at least its main key (K >= 1 when it has pairs), and an aux key is one
+  -- of its own (2..K): a malformed block is refused before the call reads any key.
+  local k, count = block.nkeys, tonumber(v[2])
+  if not k or not count or k % 1 ~= 0 or count % 1 ~= 0 or count < 0 or k < 0
+     or (count > 0 and k < 1) then
+    return nil, 'ERR aiolimit: bad block ' .. text
+  end
   local at = 3
   for i = 1, tonumber(v[2]) do
     local spec = {
@@ -82,6 +89,10 @@ local function parse_block(text)
     }
     if not spec.algo then
       return nil, 'ERR aiolimit: unknown algorithm ' .. tostring(v[at + 1])
+    end
+    local aux = spec.aux
+    if not aux or aux % 1 ~= 0 or aux < 0 or aux == 1 or aux > k then
+      return nil, 'ERR aiolimit: bad block ' .. text
     end
     block.specs[i] = spec
     at = at + 5
@@ -378,18 +389,17 @@ end
 -- One call. Loaded with EVAL the script ends with `return decide(KEYS, ARGV)`; as a FUNCTION
 -- library, the registered function calls it (aiolimit/_calls.py builds both from these files).
 -- `batch` is given by decide_many (below) only: the main keys stay loaded from one call of the
--- batch to the next, and the server's TIME is read once per batch. decide_many also gives where
--- the call's keys and arguments sit in its own KEYS and ARGV: ko and ao (offsets), nk and na
--- (counts); the call reads KEYS[ko + i] and ARGV[ao + i] (no copy of them is made).
-local function decide(KEYS, ARGV, batch, ko, ao, nk, na)
-  ko, ao = ko or 0, ao or 0
+-- batch to the next, and the server's TIME is read once per batch. KEYS and ARGV are the
+-- call's own (decide_many gives each call a copy of its part: a malformed call can then read
+-- nothing of its neighbours').
+local function decide(KEYS, ARGV, batch)
   call_seq = call_seq + 1
   if not batch then loaded = {} end
   now_text = nil
-  slack = tonumber(ARGV[ao + 4])
+  slack = tonumber(ARGV[4])
   CALL.slack = slack or 0
-  local mode = ARGV[ao + 1]
-  if ARGV[ao + 2] == '' then
+  local mode = ARGV[1]
+  if ARGV[2] == '' then
     if batch and batch.now then
       now = batch.now
     else
@@ -398,11 +408,11 @@ local function decide(KEYS, ARGV, batch, ko, ao, nk, na)
       if batch then batch.now = now end
     end
   else
-    now = tonumber(ARGV[ao + 2])
+    now = tonumber(ARGV[2])
   end
-  local weight = tonumber(ARGV[ao + 3])
-  op = ARGV[ao + 5]
-  local flags = ARGV[ao + 6]
+  local weight = tonumber(ARGV[3])
+  op = ARGV[5]
+  local flags = ARGV[6]
   local penalty = false
   max_wait = 0
   if flags ~= '' then
@@ -413,13 +423,13 @@ local function decide(KEYS, ARGV, batch, ko, ao, nk, na)
   local previous = npairs
   npairs = 0
   local key_base = 0
-  local nblocks = tonumber(ARGV[ao + 7])
-  if not nblocks or 7 + nblocks > (na or #ARGV - ao) then
-    return redis.error_reply('ERR aiolimit: bad block count ' .. tostring(ARGV[ao + 7]))
+  local nblocks = tonumber(ARGV[7])
+  if not nblocks or nblocks < 0 or nblocks % 1 ~= 0 or 7 + nblocks > #ARGV then
+    return redis.error_reply('ERR aiolimit: bad block count ' .. tostring(ARGV[7]))
   end
-  nk = nk or #KEYS - ko
+  local nk = #KEYS
   for b = 1, nblocks do
-    local block, err = parse_block(ARGV[ao + 7 + b])
+    local block, err = parse_block(ARGV[7 + b])
     if not block then return redis.error_reply(err) end
     if key_base + block.nkeys > nk then
       return redis.error_reply('ERR aiolimit: the blocks name more keys than the call has')
@@ -434,8 +444,8 @@ local function decide(KEYS, ARGV, batch, ko, ao, nk, na)
         PAIRS[npairs] = pair
       end
       pair.spec = spec
-      pair.main = KEYS[ko + key_base + 1]
-      pair.aux = spec.aux > 0 and KEYS[ko + key_base + spec.aux] or nil
+      pair.main = KEYS[key_base + 1]
+      pair.aux = spec.aux > 0 and KEYS[key_base + spec.aux] or nil
       pair.code, pair.letter, pair.algo = spec.code, spec.letter, spec.algo
       pair.amount, pair.period, pair.param = spec.amount, spec.period, spec.param
       pair.period_s, pair.param_s = spec.period_s, spec.param_s
@@ -644,7 +654,10 @@ local function decide_many(KEYS, ARGV)
   loaded = {}
   for c = 1, n do
     local at = starts[c]
-    local ok, reply = pcall(decide, KEYS, ARGV, batch, at[1], at[2] + 1, at[3], at[4])
+    local keys, args = {}, {}
+    for i = 1, at[3] do keys[i] = KEYS[at[1] + i] end
+    for i = 1, at[4] do args[i] = ARGV[at[2] + 1 + i] end
+    local ok, reply = pcall(decide, keys, args, batch)
     if ok then
       replies[c] = reply
     else

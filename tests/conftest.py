@@ -222,6 +222,20 @@ def fresh_cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture
+async def server(redis_url: str) -> AsyncIterator[Any]:
+    """A client of the shared standalone server, aiolimit's FUNCTION library loaded (the
+    tests of decide_many call its functions directly)."""
+    from redis.asyncio import Redis
+
+    from aiolimit._calls import decide_library
+
+    client = Redis.from_url(redis_url)
+    await client.execute_command("FUNCTION", "LOAD", "REPLACE", decide_library().code)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
 def prefix() -> str:
     """A key prefix unique to this test, e.g. "t-1a2b3c4d"."""
     return f"t-{uuid.uuid4().hex[:8]}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -30,14 +30,6 @@ LIMITS = [
     SlidingLog(8, per=2),
     Concurrency(5, lease_ttl=30),
 ]
-
-
-@pytest.fixture
-async def server(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    await client.execute_command("FUNCTION", "LOAD", "REPLACE", decide_library().code)
-    yield client
-    await client.aclose()
 
 
 def _value(reply: Any) -> Any:
