@@ -34,12 +34,15 @@ def inspect(live: Sequence[Node], *, require_replicas_linked: bool) -> ClusterVi
     """Return the agreed view, or a short description of the first thing that is wrong.
 
     Right means, on every live node: cluster_state:ok, every live node known and not
-    flagged failing, the same full slot layout, and (if asked) replication links up.
+    flagged failing, the same full slot layout, the same role for every live node (an old
+    primary restarted after a failover is a master with no slots in some views for a while
+    before they all see it as a replica), and (if asked) replication links up.
     """
     if not live:
         return "no live nodes"
     live_ids = {node.node_id for node in live}
     layouts: dict[Layout, Node] = {}
+    roles: set[frozenset[tuple[str, bool, str | None]]] = set()
     first_entries: dict[str, NodeEntry] | None = None
     for node in live:
         try:
@@ -60,9 +63,18 @@ def inspect(live: Sequence[Node], *, require_replicas_linked: bool) -> ClusterVi
         except redis.RedisError as error:
             return f"{node!r} did not answer: {error!r}"
         layouts.setdefault(slot_layout(entries), node)
+        roles.add(
+            frozenset(
+                (entry.node_id, entry.is_primary, entry.primary_id)
+                for entry in entries.values()
+                if entry.node_id in live_ids
+            )
+        )
         first_entries = first_entries or entries
     if len(layouts) > 1:
         return f"{len(layouts)} different slot layouts among live nodes"
+    if len(roles) > 1:
+        return "live nodes do not agree yet on which nodes are primaries"
     (layout,) = layouts
     if covered_slots(layout) != SLOT_COUNT:
         return f"only {covered_slots(layout)} of {SLOT_COUNT} slots are assigned"
