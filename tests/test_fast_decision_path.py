@@ -294,7 +294,8 @@ async def test_half_open_admits_one_probe_and_records_its_outcome(
 ) -> None:
     """Open breaker, past recovery: of many concurrent decisions exactly one reaches the store
     (the probe); a failed probe opens it again, a successful one closes it."""
-    limiter = Limiter(fresh_standalone.url, [ROOMY], prefix=prefix, deadline=0.1,
+    # (a deadline roomy enough for a probe just after SIGCONT on a loaded machine)
+    limiter = Limiter(fresh_standalone.url, [ROOMY], prefix=prefix, deadline=0.5,
                       on_error="closed", failure_threshold=1, recovery_time=0.2)  # fmt: skip
     breaker = limiter._failure.breaker
     await limiter.peek(ID)
