@@ -236,6 +236,9 @@ class Library:
     function: str
     #: Several calls in one FCALL (``decide_many`` in ``lua/decide.lua``): ``pack_many``.
     many: str
+    #: Several calls on several slots of one cluster node in one FCALL, their keys not
+    #: declared (``decide_node``, flagged ``allow-cross-slot-keys``): ``pack_many(spread=True)``.
+    node: str
 
 
 def _definitions() -> str:
@@ -265,9 +268,16 @@ def decide_library() -> Library:
         "  return decide(keys, args)\nend)\n"
         "redis.register_function('aiolimit_many_{digest}', function(keys, args)\n"
         "  return decide_many(keys, args)\nend)\n"
+        "redis.register_function{{function_name = 'aiolimit_node_{digest}',\n"
+        "  callback = function(keys, args) return decide_node(keys, args) end,\n"
+        "  flags = {{'allow-cross-slot-keys'}}}}\n"
     )
     digest = hashlib.sha1(template.encode("utf-8")).hexdigest()[:16]
     code = template.format(digest=digest)
     return Library(
-        code, f"aiolimit_{digest}", f"aiolimit_decide_{digest}", f"aiolimit_many_{digest}"
+        code,
+        f"aiolimit_{digest}",
+        f"aiolimit_decide_{digest}",
+        f"aiolimit_many_{digest}",
+        f"aiolimit_node_{digest}",
     )

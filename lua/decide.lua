@@ -632,14 +632,14 @@ end
 -- script run, its TIME and its HGETALLs are most of a small call's server time. A call that
 -- fails part way (an error raised, not returned) is that call's error reply; what the batch
 -- holds loaded is then dropped and read again, so no later call sees a write it did not make.
-local function decide_many(KEYS, ARGV)
-  local n = tonumber(ARGV[1])
+local function run_many(KEYS, ARGV, first, verify)
+  local n = tonumber(ARGV[first])
   if not n or n < 0 or n % 1 ~= 0 then
-    return redis.error_reply('ERR aiolimit: bad call count ' .. tostring(ARGV[1]))
+    return redis.error_reply('ERR aiolimit: bad call count ' .. tostring(ARGV[first]))
   end
   -- The whole layout is checked before the first call runs: a bad one runs nothing.
   local starts = {}
-  local k, a = 0, 2
+  local k, a = 0, first + 1
   for c = 1, n do
     local nkeys, nargs = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
     if not nkeys or not nargs or nkeys < 0 or nargs < 0 or nkeys % 1 ~= 0 or nargs % 1 ~= 0
@@ -657,7 +657,16 @@ local function decide_many(KEYS, ARGV)
     local keys, args = {}, {}
     for i = 1, at[3] do keys[i] = KEYS[at[1] + i] end
     for i = 1, at[4] do args[i] = ARGV[at[2] + 1 + i] end
-    local ok, reply = pcall(decide, keys, args, batch)
+    local ok, reply
+    if verify and at[3] > 1 then
+      -- Keys not declared are checked where they are read. A call's first read comes before
+      -- its first write, but with several keys a later one may fail after a write (a slot
+      -- half migrated): all of them are checked first, as a declared key would have been.
+      ok, reply = pcall(redis.call, 'EXISTS', unpack(keys))
+      if ok then ok, reply = pcall(decide, keys, args, batch) end
+    else
+      ok, reply = pcall(decide, keys, args, batch)
+    end
     if ok then
       replies[c] = reply
     else
@@ -670,4 +679,33 @@ local function decide_many(KEYS, ARGV)
     end
   end
   return replies
+end
+
+local function decide_many(KEYS, ARGV)
+  return run_many(KEYS, ARGV, 1, false)
+end
+
+-- Several calls in one, on keys of several slots of one Redis Cluster node (registered with
+-- the flag allow-cross-slot-keys; the calls' keys are not declared, as a declared key's slot
+-- routes a call and all of them must share it).
+-- ARGV[1]   K, the number of keys; ARGV[2 .. K+1] every call's keys, in call order; then
+--           decide_many's ARGV from ARGV[K+2]: the number of calls, and per call its key
+--           count, its argument count and its arguments.
+-- Reply: as decide_many's. Each call's keys share one slot (the client groups them so). A call
+-- whose keys this node cannot serve now (a stale slot map, a slot migrating, the cluster down)
+-- fails before any write: at its one key's first read, or, with several keys, at an EXISTS of
+-- all of them first (as declared keys would at the command's entry). "Script attempted to
+-- access a non local key ..." is that call's error reply; its client sends it again through
+-- the cluster's redirections. The other calls run.
+local function decide_node(KEYS, ARGV)
+  if #KEYS ~= 0 then
+    return redis.error_reply('ERR aiolimit: decide_node takes its keys in ARGV')
+  end
+  local nkeys = tonumber(ARGV[1])
+  if not nkeys or nkeys < 0 or nkeys % 1 ~= 0 or nkeys + 2 > #ARGV then
+    return redis.error_reply('ERR aiolimit: bad key count ' .. tostring(ARGV[1]))
+  end
+  local keys = {}
+  for i = 1, nkeys do keys[i] = ARGV[1 + i] end
+  return run_many(keys, ARGV, nkeys + 2, true)
 end

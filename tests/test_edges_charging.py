@@ -30,6 +30,7 @@ from redis.crc import key_slot
 import cluster
 from aiolimit import BackendError, Decision, Limit, Limiter, SlidingLog
 from aiolimit._keys import main_key
+from aiolimit._stores.cluster import ClusterStore
 from aiolimit.testing import ManualClock
 
 #: Far from full in every test, so peek's ``remaining`` always shows the stored charge. A
@@ -670,11 +671,12 @@ def _cut_after_first_reply(batch: list[int], resent: list[int]) -> tuple[Any, An
 async def test_a_pipeline_cut_after_its_first_reply_keeps_that_reply(
     local_cluster: cluster.Cluster, prefix: str
 ) -> None:
-    """A cluster pipeline of one-slot calls, each on a slot of its own (so each is a script
-    call of its own), whose connection is reset right after its first reply reached the
-    client. That reply stands: its call is not resent. Exactly the calls without a reply are
-    resent (each replays or runs once), every decision is admitted, and the store holds
-    exactly what was admitted."""
+    """A cluster pipeline of one-slot calls, each on a slot of its own, sent as EVALSHA (as to
+    a server without FUNCTION: with FCALL a node's calls are one script run and one reply),
+    whose connection is reset right after its first reply reached the client. That reply
+    stands: its call is not resent. Exactly the calls without a reply are resent (each
+    replays or runs once), every decision is admitted, and the store holds exactly what was
+    admitted."""
     from aiolimit._calls import decide_script
 
     first = "ip:198.51.100.9"
@@ -693,6 +695,8 @@ async def test_a_pipeline_cut_after_its_first_reply_keeps_that_reply(
     proxies = await Proxies().start((n.host, n.port) for n in local_cluster.nodes)
     client = proxied_client(local_cluster, proxies)
     limiter = Limiter(client, [ROOMY], prefix=prefix)
+    assert isinstance(limiter.store, ClusterStore)
+    limiter.store._functions = False  # EVALSHA: one reply per call
     batch: list[int] = []  # script calls in the pipeline that gets cut
     resent: list[int] = []  # script calls sent after the cut
     try:

@@ -60,7 +60,6 @@ from aiolimit._stores.base import Arg, Reply, Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher, loop_time, wait_results
 from aiolimit._stores.resp import (
     command_head,
-    pack_call,
     pack_calls,
     pack_many,
     read_replies,
@@ -88,6 +87,21 @@ _SUBSCRIBER_OPTIONS = frozenset(
 
 def _cut_short() -> TimeoutError:
     return TimeoutError("the pipeline was cut short")
+
+
+def _unserved(error: BaseException) -> str | None:
+    """Why a call of a ``decide_node`` batch (keys not declared) was refused by its node before
+    it wrote anything: "moved" (the node does not serve that slot now: a stale slot map, a
+    slot migrating) or "down" (the cluster is down), else None. Declared keys would have met
+    MOVED, ASK, TRYAGAIN or CLUSTERDOWN at the command's entry instead."""
+    if not isinstance(error, ResponseError):
+        return None
+    text = str(error)
+    if "Script attempted to access a non local key" in text:
+        return "moved"
+    if "Script attempted to execute" in text and "cluster is down" in text:
+        return "down"
+    return None
 
 
 @lru_cache(maxsize=65536)
@@ -141,6 +155,7 @@ class ClusterStore(Store):
         self._evalsha = command_head("EVALSHA", self._script.sha)
         self._fcall = command_head("FCALL", self._library.function)
         self._fcall_many = command_head("FCALL", self._library.many)
+        self._fcall_node = command_head("FCALL", self._library.node)
         #: Whether the nodes have FUNCTION (None: not known yet), and which have the library.
         self._functions: bool | None = None
         self._loaded: set[str] = set()
@@ -233,9 +248,10 @@ class ClusterStore(Store):
     async def _finish(self, call: ScriptCall, first: BaseException, deadline: float) -> Result:
         """Retries a call whose first (pipelined) attempt failed, until ``deadline``."""
         keys, args = call.keys, call.args
+        unserved = _unserved(first)
         if is_noscript(first):
             self._stats.noscript += 1
-        elif is_redirect(first):
+        elif is_redirect(first) or unserved == "moved":
             self._stats.redirects += 1
 
         async def attempt() -> Reply:
@@ -250,7 +266,11 @@ class ClusterStore(Store):
                 address=self.address,
                 statistics=self._retry,
                 # A redirection is no failure: follow it at once through the client.
-                failed=first if is_retryable(first) and not is_redirect(first) else None,
+                failed=(
+                    first
+                    if (is_retryable(first) and not is_redirect(first)) or unserved == "down"
+                    else None
+                ),
             )
         except Exception as exc:
             return exc
@@ -268,7 +288,8 @@ class ClusterStore(Store):
         redo = [
             index
             for index, result in enumerate(results)
-            if isinstance(result, BaseException) and (is_noscript(result) or is_retryable(result))
+            if isinstance(result, BaseException)
+            and (is_noscript(result) or is_retryable(result) or _unserved(result) is not None)
         ]
         if redo:
             retried = await asyncio.gather(
@@ -321,10 +342,14 @@ class ClusterStore(Store):
         Packed here (``resp.py``: keys and identifier blocks are packed once and reused) and
         written once on one of the node's connections; hiredis parses the replies. redis-py's
         own pipeline packed every argument through its general encoder, about a third of a
-        cross-slot decision's client CPU. Calls on one slot go as one FCALL of ``decide_many``
-        (``lua/decide.lua``). An error reply (NOSCRIPT, MOVED, ...) answers its call, or every
-        call of its ``decide_many``, none of which ran; ``run`` retries those one by one
-        through the cluster client (as EVALSHA/EVAL, which run the same code).
+        cross-slot decision's client CPU. With FCALL, the node's calls go as one script run
+        (``decide_many``, or ``decide_node`` across slots: ``lua/decide.lua``): one command
+        dispatch, one TIME and one read of each main key for them all, about half a small
+        call's server time. An error reply (NOSCRIPT, MOVED, ...) answers its call, or every
+        call of its batch, none of which ran; a call of a ``decide_node`` batch whose slot the
+        node does not serve now is refused alone, before it writes (``_unserved``). ``run``
+        retries those one by one through the cluster client (as EVALSHA/EVAL, which run the
+        same code), which follows the redirections and updates its slot map.
 
         Where the nodes have FUNCTION (Redis 7+, Valkey) the calls are FCALLs of aiolimit's
         library, loaded once on each node this store sends to (FUNCTION LOAD is replicated, so
@@ -339,26 +364,18 @@ class ClusterStore(Store):
                 await self._load_library(node, deadline)
             if node.name in self._loaded:
                 head = self._fcall
-        # With FCALL, the calls on one slot go as one decide_many (its keys share a slot, as a
-        # script call's must): one script run, each main key and TIME read once for them.
-        units: list[list[Pending]] | None = None
-        if head is self._fcall and len(calls) > 1:
-            by_slot: dict[int, list[Pending]] = {}
-            for call in calls:
-                by_slot.setdefault(_slot(call.keys[0]), []).append(call)
-            if len(by_slot) < len(calls):
-                units = list(by_slot.values())
-        if units is None:
+        # With FCALL, the node's calls go as one script run, each main key and TIME read once
+        # for them: decide_many when they share a slot (their keys declared, as a script call's
+        # must share one), else decide_node (keys not declared, flagged allow-cross-slot-keys).
+        batched = head is self._fcall and len(calls) > 1
+        if batched:
+            first = _slot(calls[0].keys[0])
+            cross = any(_slot(call.keys[0]) != first for call in calls)
+            packed = pack_many(self._fcall_node if cross else self._fcall_many, calls, spread=cross)
+            expected = 1
+        else:
             packed = pack_calls(head, 2, calls)
             expected = len(calls)
-        else:
-            packed = b"".join(
-                pack_call(head, 2, unit[0].keys, unit[0].args)
-                if len(unit) == 1
-                else pack_many(self._fcall_many, unit)
-                for unit in units
-            )
-            expected = len(units)
         self._stats.round_trips += 1
         results: list[Result] = []
         connection = None
@@ -381,17 +398,8 @@ class ClusterStore(Store):
         finally:
             if connection is not None:
                 node.release(connection)
-            if units is not None:  # one result per call again
-                spread: list[Result] = []
-                for index, unit in enumerate(units):
-                    if index >= len(results):
-                        break
-                    if len(unit) == 1:
-                        spread.append(results[index])
-                    else:
-                        spread += spread_many(results[index], len(unit))
-                results = spread
-                calls = [call for unit in units for call in unit]
+            if batched and results:  # one result per call again
+                results = spread_many(results[0], len(calls))
             if any(isinstance(r, BaseException) and is_noscript(r) for r in results):
                 self._loaded.discard(node.name)
             for index, call in enumerate(calls):

@@ -95,10 +95,16 @@ def pack_calls(head: bytes, head_words: int, calls: Iterable[ScriptCall]) -> byt
     return b"".join(pack_call(head, head_words, call.keys, call.args) for call in calls)
 
 
-def pack_many(head: bytes, calls: Sequence[ScriptCall]) -> bytes:
+_NO_KEYS = b"$1\r\n0\r\n"
+
+
+def pack_many(head: bytes, calls: Sequence[ScriptCall], *, spread: bool = False) -> bytes:
     """Several calls as one call of ``decide_many`` (``lua/decide.lua``): ``head`` (two words,
     FCALL and the function), the key count, every call's keys, then the number of calls and,
-    per call, its key count, its argument count and its arguments."""
+    per call, its key count, its argument count and its arguments.
+
+    With ``spread`` (``decide_node``: calls on several slots of one cluster node), no key is
+    declared: the key count and the keys lead the arguments instead."""
     cached = _PACKED.get
     keys: list[bytes] = []
     add_key = keys.append
@@ -113,11 +119,12 @@ def pack_many(head: bytes, calls: Sequence[ScriptCall]) -> bytes:
         add_arg(cached(len(call_args)) or _packed(len(call_args)))
         for value in call_args:
             add_arg(cached(value) or _packed(value))
-    words = 2 + 1 + len(keys) + 1 + len(args)
+    words = 2 + 1 + len(keys) + 1 + len(args) + (1 if spread else 0)
     return b"".join(
         (
             b"*%d\r\n" % words,
             head,
+            *((_NO_KEYS,) if spread else ()),
             cached(len(keys)) or _packed(len(keys)),
             *keys,
             cached(len(calls)) or _packed(len(calls)),
