@@ -309,6 +309,7 @@ end
 -- Writes what the call staged: one HSET, one HDEL and (about once a second) one PEXPIRE per
 -- main key.
 local function flush()
+  CALL.writing = true
   for i = 1, nmains do
     local s = MAINS[i]
     if s.dirty then
@@ -526,6 +527,7 @@ local function decide(KEYS, ARGV, batch)
     end
     local reply, all = decide_all(weight)
     if all or penalty then
+      CALL.writing = true
       local reserved = all and max_wait > 0
       for i = 1, npairs do
         local pair = PAIRS[i]
@@ -575,6 +577,7 @@ local function decide(KEYS, ARGV, batch)
       end
     end
     if replay == 0 then
+      CALL.writing = true
       for i = 1, npairs do
         local pair = PAIRS[i]
         if mode == 'refund' or at[pair.s.key] then
@@ -607,6 +610,7 @@ local function decide(KEYS, ARGV, batch)
       end
     end
     if held then
+      CALL.writing = true
       for i = 1, npairs do
         local pair = PAIRS[i]
         local action = pair.algo[mode]
@@ -658,6 +662,7 @@ local function run_many(KEYS, ARGV, first, verify)
     for i = 1, at[3] do keys[i] = KEYS[at[1] + i] end
     for i = 1, at[4] do args[i] = ARGV[at[2] + 1 + i] end
     local ok, reply
+    CALL.writing = false  -- (set by decide just before its first write)
     if verify and at[3] > 1 then
       -- Keys not declared are checked where they are read. A call's first read comes before
       -- its first write, but with several keys a later one may fail after a write (a slot
@@ -670,7 +675,14 @@ local function run_many(KEYS, ARGV, first, verify)
     if ok then
       replies[c] = reply
     else
-      if type(reply) == 'table' and reply.err then
+      if verify and not CALL.writing then
+        -- Failed before its first write (a key of a slot this node does not serve now, or
+        -- half migrated; or any other error): nothing of it ran, so its client may send it
+        -- again through the cluster's redirections. One that failed after writing is not
+        -- tagged: sending it again could apply part of it twice.
+        local text = type(reply) == 'table' and reply.err or tostring(reply)
+        replies[c] = redis.error_reply('ERR aiolimit: unserved: ' .. text)
+      elseif type(reply) == 'table' and reply.err then
         replies[c] = reply
       else
         replies[c] = redis.error_reply('ERR aiolimit: ' .. tostring(reply))
@@ -693,10 +705,11 @@ end
 --           count, its argument count and its arguments.
 -- Reply: as decide_many's. Each call's keys share one slot (the client groups them so). A call
 -- whose keys this node cannot serve now (a stale slot map, a slot migrating, the cluster down)
--- fails before any write: at its one key's first read, or, with several keys, at an EXISTS of
--- all of them first (as declared keys would at the command's entry). "Script attempted to
--- access a non local key ..." is that call's error reply; its client sends it again through
--- the cluster's redirections. The other calls run.
+-- fails when it touches them: at its one key's first read, or, with several keys, at an
+-- EXISTS of all of them first (as declared keys would at the command's entry). A call that
+-- failed before its first write, for whatever reason, answers "ERR aiolimit: unserved: <the
+-- error>": its client sends it again through the cluster's redirections (the servers word
+-- the error itself differently). The other calls run.
 local function decide_node(KEYS, ARGV)
   if #KEYS ~= 0 then
     return redis.error_reply('ERR aiolimit: decide_node takes its keys in ARGV')

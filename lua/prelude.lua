@@ -15,7 +15,8 @@
 -- server and kept between calls; run with EVAL it is built on every call. So state that
 -- belongs to one call lives only in CALL, `loaded` and decide.lua's call state, which decide()
 -- resets first.
-local CALL = {slack = 0}  -- this call's TTL slack, ms (ARGV[4])
+-- slack: this call's TTL slack, ms (ARGV[4]); writing: the call has reached its first write
+local CALL = {slack = 0, writing = false}
 local ALGORITHMS = {}  -- code -> {check, charge, refund[, release, renew]}
 local FACTORIES = {}  -- code -> function building that table
 

@@ -89,19 +89,14 @@ def _cut_short() -> TimeoutError:
     return TimeoutError("the pipeline was cut short")
 
 
-def _unserved(error: BaseException) -> str | None:
-    """Why a call of a ``decide_node`` batch (keys not declared) was refused by its node before
-    it wrote anything: "moved" (the node does not serve that slot now: a stale slot map, a
-    slot migrating) or "down" (the cluster is down), else None. Declared keys would have met
-    MOVED, ASK, TRYAGAIN or CLUSTERDOWN at the command's entry instead."""
-    if not isinstance(error, ResponseError):
-        return None
-    text = str(error)
-    if "Script attempted to access a non local key" in text:
-        return "moved"
-    if "Script attempted to execute" in text and "cluster is down" in text:
-        return "down"
-    return None
+def _unserved(error: BaseException) -> bool:
+    """A call of a ``decide_node`` batch (keys not declared) that failed before its first write:
+    most often a slot its node does not serve now (a stale slot map, a slot migrating), which
+    declared keys would have met as MOVED, ASK or TRYAGAIN at the command's entry. The script
+    tags it (``lua/decide.lua``: servers word the underlying error differently); nothing of it
+    ran, so it is sent again through the cluster client, which follows the redirections. A
+    call that failed after writing is not tagged, and not sent again."""
+    return isinstance(error, ResponseError) and str(error).startswith("aiolimit: unserved: ")
 
 
 @lru_cache(maxsize=65536)
@@ -251,7 +246,7 @@ class ClusterStore(Store):
         unserved = _unserved(first)
         if is_noscript(first):
             self._stats.noscript += 1
-        elif is_redirect(first) or unserved == "moved":
+        elif is_redirect(first) or unserved:
             self._stats.redirects += 1
 
         async def attempt() -> Reply:
@@ -266,11 +261,7 @@ class ClusterStore(Store):
                 address=self.address,
                 statistics=self._retry,
                 # A redirection is no failure: follow it at once through the client.
-                failed=(
-                    first
-                    if (is_retryable(first) and not is_redirect(first)) or unserved == "down"
-                    else None
-                ),
+                failed=first if is_retryable(first) and not is_redirect(first) else None,
             )
         except Exception as exc:
             return exc
@@ -289,7 +280,7 @@ class ClusterStore(Store):
             index
             for index, result in enumerate(results)
             if isinstance(result, BaseException)
-            and (is_noscript(result) or is_retryable(result) or _unserved(result) is not None)
+            and (is_noscript(result) or is_retryable(result) or _unserved(result))
         ]
         if redo:
             retried = await asyncio.gather(
@@ -346,8 +337,8 @@ class ClusterStore(Store):
         (``decide_many``, or ``decide_node`` across slots: ``lua/decide.lua``): one command
         dispatch, one TIME and one read of each main key for them all, about half a small
         call's server time. An error reply (NOSCRIPT, MOVED, ...) answers its call, or every
-        call of its batch, none of which ran; a call of a ``decide_node`` batch whose slot the
-        node does not serve now is refused alone, before it writes (``_unserved``). ``run``
+        call of its batch, none of which ran; a call of a ``decide_node`` batch that failed
+        before it wrote (its slot not served here now) comes back tagged (``_unserved``). ``run``
         retries those one by one through the cluster client (as EVALSHA/EVAL, which run the
         same code), which follows the redirections and updates its slot map.
 
