@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.crc import key_slot
-from redis.exceptions import AskError, ResponseError
+from redis.exceptions import AskError
 from test_decide_many import T0, _state, _value, _workload
+from test_decide_many import _one_by_one as _alone
 
 import cluster
 from aiolimit import Limit, Limiter, SlidingLog
@@ -72,20 +73,6 @@ async def primary(local_cluster: cluster.Cluster) -> AsyncIterator[tuple[cluster
     await client.execute_command("FUNCTION", "LOAD", "REPLACE", decide_library().code)
     yield node, client
     await client.aclose()
-
-
-async def _alone(client: Redis, calls: Sequence[Call]) -> list[Any]:
-    """Each call as its own FCALL, its keys declared."""
-    name = decide_library().function
-    replies: list[Any] = []
-    for call in calls:
-        try:
-            replies.append(
-                await client.execute_command("FCALL", name, len(call.keys), *call.keys, *call.args)
-            )
-        except ResponseError as error:
-            replies.append(error)
-    return [_value(reply) for reply in replies]
 
 
 async def _on_node(client: Redis, calls: Sequence[Call]) -> list[Any]:

@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from redis.crc import key_slot
 from redis.exceptions import ResponseError
+from test_decide_node import _owned, _slot_of
 
 import cluster
 from aiolimit import Limit, Limiter, SlidingLog
 from aiolimit._calls import Mode, decide_library, encode
-from aiolimit._keys import main_key
 from aiolimit._stores.cluster import ClusterStore, _unserved
 from aiolimit._stores.resp import command_head, pack_many
 from aiolimit.testing import ManualClock
@@ -58,22 +57,6 @@ def redis_nodes() -> Iterator[cluster.Cluster]:
 def valkey_nodes() -> Iterator[cluster.Cluster]:
     with _start("valkey") as started:
         yield started
-
-
-def _slot(prefix: str, identifier: str) -> int:
-    return key_slot(main_key(prefix, identifier).encode())
-
-
-def _owned(nodes: cluster.Cluster, node: cluster.Node, prefix: str, count: int) -> list[str]:
-    found: dict[int, str] = {}
-    for i in range(20_000):
-        identifier = f"ip:{i}"
-        slot = _slot(prefix, identifier)
-        if slot not in found and nodes.node_for_slot(slot).port == node.port:
-            found[slot] = identifier
-            if len(found) == count:
-                return list(found.values())
-    raise AssertionError("not enough identifiers")
 
 
 async def _on_node(client: Redis, calls: list[Any]) -> list[Any]:
@@ -141,10 +124,10 @@ async def test_a_refund_cut_short_by_a_migration_is_not_given_twice(
         assert (await limiter.try_acquire(bystander)).allowed
         clock.advance(120)
         assert (await limiter.try_acquire(identifier)).allowed  # the hour log is full
-        _start_migrating(source, target, _slot(prefix, identifier))
+        _start_migrating(source, target, _slot_of(prefix, identifier))
         clock.advance(1)
         await _run_while_migrating(
-            nodes, _slot(prefix, identifier), target,
+            nodes, _slot_of(prefix, identifier), target,
             limiter.refund(identifier), *([limiter.try_acquire(bystander)] if batched else []),
         )  # fmt: skip
         admitted = [(await limiter.try_acquire(identifier)).allowed for _ in range(3)]
@@ -171,7 +154,7 @@ async def test_valkey_the_store_resends_a_call_its_stale_slot_map_misplaced(
     ) as limiter:
         for identifier in (moving, *staying):
             assert (await limiter.try_acquire(identifier)).allowed
-        nodes.migrate_slots([_slot(prefix, moving)], target)
+        nodes.migrate_slots([_slot_of(prefix, moving)], target)
         wanted = [moving] * 6 + staying * 3
         decisions = await asyncio.gather(
             *(limiter.try_acquire(i) for i in wanted), return_exceptions=True
@@ -196,7 +179,7 @@ async def test_a_node_batch_refused_while_the_cluster_is_down_is_recognised(
     try:
         await client.execute_command("FUNCTION", "LOAD", "REPLACE", decide_library().code)
         for node in nodes.primaries():  # unassigned everywhere: the cluster goes down
-            node.execute("CLUSTER", "DELSLOTS", _slot(prefix, gone))
+            node.execute("CLUSTER", "DELSLOTS", _slot_of(prefix, gone))
         calls = [
             encode(Mode.ACQUIRE, limiter._rules.plans(i), 1, T0, 0, f"c:{n}:")
             for n, i in enumerate([first, second], 1)
