@@ -335,12 +335,13 @@ class ClusterStore(Store):
         own pipeline packed every argument through its general encoder, about a third of a
         cross-slot decision's client CPU. With FCALL, the node's calls go as one script run
         (``decide_many``, or ``decide_node`` across slots: ``lua/decide.lua``): one command
-        dispatch, one TIME and one read of each main key for them all, about half a small
-        call's server time. An error reply (NOSCRIPT, MOVED, ...) answers its call, or every
-        call of its batch, none of which ran; a call of a ``decide_node`` batch that failed
-        before it wrote (its slot not served here now) comes back tagged (``_unserved``). ``run``
-        retries those one by one through the cluster client (as EVALSHA/EVAL, which run the
-        same code), which follows the redirections and updates its slot map.
+        dispatch, one TIME and one read of each main key for them all (a fifth of the server's
+        instructions per call on the cross-slot 2 ids x 3 limits shape). An error reply
+        (NOSCRIPT, MOVED, ...) answers its call, or every call of its batch, none of which
+        ran; a call of a ``decide_node`` batch that failed before it wrote (its slot not served
+        here now) comes back tagged (``_unserved``). ``run`` retries those one by one through
+        the cluster client (as EVALSHA/EVAL, which run the same code), which follows the
+        redirections and updates its slot map.
 
         Where the nodes have FUNCTION (Redis 7+, Valkey) the calls are FCALLs of aiolimit's
         library, loaded once on each node this store sends to (FUNCTION LOAD is replicated, so
