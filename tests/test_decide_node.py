@@ -76,7 +76,13 @@ async def primary(local_cluster: cluster.Cluster) -> AsyncIterator[tuple[cluster
 
 
 async def _on_node(client: Redis, calls: Sequence[Call]) -> list[Any]:
-    """The calls as one FCALL of decide_node, packed as the cluster store packs them."""
+    """The calls as one FCALL of decide_node, packed as the cluster store packs them: their
+    replies as comparable data."""
+    return [_value(item) for item in await _node_replies(client, calls)]
+
+
+async def _node_replies(client: Redis, calls: Sequence[Call]) -> list[Any]:
+    """The calls as one FCALL of decide_node: their replies as redis-py reads them."""
     connection = await client.connection_pool.get_connection()
     try:
         head = command_head("FCALL", decide_library().node)
@@ -85,7 +91,7 @@ async def _on_node(client: Redis, calls: Sequence[Call]) -> list[Any]:
     finally:
         await client.connection_pool.release(connection)
     assert isinstance(reply, list) and len(reply) == len(calls)
-    return [_value(item) for item in reply]
+    return reply
 
 
 async def _held(client: Redis, key: str) -> bytes | str:

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
+from test_decide_node import _node_replies as _on_node
 from test_decide_node import _owned, _slot_of
 
 import cluster
 from aiolimit import Limit, Limiter, SlidingLog
 from aiolimit._calls import Mode, decide_library, encode
 from aiolimit._stores.cluster import ClusterStore, _unserved
-from aiolimit._stores.resp import command_head, pack_many
 from aiolimit.testing import ManualClock
 
 pytestmark = pytest.mark.cluster
@@ -57,19 +57,6 @@ def redis_nodes() -> Iterator[cluster.Cluster]:
 def valkey_nodes() -> Iterator[cluster.Cluster]:
     with _start("valkey") as started:
         yield started
-
-
-async def _on_node(client: Redis, calls: list[Any]) -> list[Any]:
-    """The calls as one FCALL of decide_node, packed as the cluster store packs them."""
-    connection = await client.connection_pool.get_connection()
-    try:
-        head = command_head("FCALL", decide_library().node)
-        await connection.send_packed_command(pack_many(head, calls, spread=True))
-        reply = await connection.read_response()
-    finally:
-        await client.connection_pool.release(connection)
-    assert isinstance(reply, list) and len(reply) == len(calls)
-    return reply
 
 
 def _start_migrating(source: cluster.Node, target: cluster.Node, slot: int) -> None:
