@@ -639,6 +639,21 @@ async def test_undo_through_a_failover_converges(
         await proxies.aclose()
 
 
+def _on_slots_of_one_node(
+    nodes: cluster.Cluster, prefix: str, count: int
+) -> tuple[cluster.Node, list[str]]:
+    """The node owning "ip:198.51.100.9", and ``count`` identifiers on slots of it, one each."""
+    node = owner(nodes, prefix, "ip:198.51.100.9")
+    by_slot: dict[int, str] = {}
+    for i in range(100_000):
+        identifier = f"ip:198.51.{i // 256}.{i % 256}"
+        if owner(nodes, prefix, identifier).port == node.port:
+            by_slot.setdefault(slot_of(prefix, identifier), identifier)
+        if len(by_slot) == count:
+            break
+    return node, list(by_slot.values())
+
+
 @pytest.mark.cluster
 def _cut_after_first_reply(batch: list[int], resent: list[int]) -> tuple[Any, Any]:
     """A proxy's hooks: the first request chunk with 2 script calls or more is the batch; its
@@ -679,16 +694,7 @@ async def test_a_pipeline_cut_after_its_first_reply_keeps_that_reply(
     admitted."""
     from aiolimit._calls import decide_script
 
-    first = "ip:198.51.100.9"
-    node = owner(local_cluster, prefix, first)
-    by_slot: dict[int, str] = {}
-    for i in range(100_000):
-        identifier = f"ip:198.51.{i // 256}.{i % 256}"
-        if owner(local_cluster, prefix, identifier).port == node.port:
-            by_slot.setdefault(slot_of(prefix, identifier), identifier)
-        if len(by_slot) == 20:
-            break
-    identifiers = list(by_slot.values())
+    node, identifiers = _on_slots_of_one_node(local_cluster, prefix, 20)
     admin = Redis(host=node.host, port=node.port)
     await admin.script_load(decide_script().source)  # (a resend is one EVALSHA, no NOSCRIPT)
     await admin.aclose()
@@ -722,17 +728,24 @@ async def test_a_pipeline_cut_after_its_first_reply_keeps_that_reply(
     assert converged, f"stored {total} for 20 admitted"
 
 
+@pytest.mark.parametrize("spread", [False, True], ids=["one slot", "twenty slots"])
 async def test_a_batch_whose_reply_is_cut_is_resent_and_charged_once(
-    local_cluster: cluster.Cluster, prefix: str
+    local_cluster: cluster.Cluster, prefix: str, spread: bool
 ) -> None:
-    """20 calls on one identifier leave as one FCALL of decide_many; its reply is cut after
-    8 lines (the client holds no whole reply) and the connection reset. The calls ran, but no
-    caller knows: each is resent on its own and replays its op. All 20 are admitted, and the
-    store holds 20, not 40."""
+    """20 calls leave as one FCALL: of decide_many on one identifier, or of decide_node on 20
+    identifiers on 20 slots of one node. Its reply is cut after 8 lines (the client holds no
+    whole reply) and the connection reset. The calls ran, but no caller knows: each is
+    resent on its own and replays its op. All 20 are admitted, and the store holds 20, not
+    40."""
     from aiolimit._calls import decide_script
 
-    identifier = "ip:198.51.100.9"
-    node = owner(local_cluster, prefix, identifier)
+    if spread:
+        node, identifiers = _on_slots_of_one_node(local_cluster, prefix, 20)
+        function = b"aiolimit_node_"
+    else:
+        node = owner(local_cluster, prefix, "ip:198.51.100.9")
+        identifiers = ["ip:198.51.100.9"] * 20
+        function = b"aiolimit_many_"
     admin = Redis(host=node.host, port=node.port)
     await admin.script_load(decide_script().source)
     await admin.aclose()
@@ -743,12 +756,13 @@ async def test_a_batch_whose_reply_is_cut_is_resent_and_charged_once(
     resent: list[int] = []
     sent: list[int] = []
     try:
-        await limiter.peek(identifier)
+        for identifier in set(identifiers):  # (the slot map, and the library on the node)
+            await limiter.peek(identifier)
         proxy = proxies[node.port]
         on_request, on_reply = _cut_after_first_reply(batch, resent)
 
         def watch(link: Link, data: bytes) -> None:
-            if not batch and b"aiolimit_many_" in data:
+            if not batch and function in data:
                 sent.append(script_calls(data))
                 batch.append(2)  # (the hooks' mark: a batch, whatever its call count)
                 link.marks["cut"] = True
@@ -757,14 +771,23 @@ async def test_a_batch_whose_reply_is_cut_is_resent_and_charged_once(
 
         proxy.on_request, proxy.on_reply = watch, on_reply
         outcomes = await asyncio.gather(
-            *(_outcome(limiter.try_acquire(identifier)) for _ in range(20))
+            *(_outcome(limiter.try_acquire(identifier)) for identifier in identifiers)
         )
     finally:
         await limiter.aclose()
         await client.aclose()
         await proxies.aclose()
-    assert sent == [1], f"the 20 calls left as {sent} script calls, not one decide_many"
+    assert sent == [1], f"the 20 calls left as {sent} script calls, not one batch"
     assert all(told_admitted(outcome) for outcome in outcomes), outcomes
     assert sum(resent) == 20, f"{sum(resent)} calls resent of 20 without a reply"
-    converged, stored = await settle(lambda: charged(local_cluster.url, prefix, identifier), 20)
-    assert converged, f"stored {stored} for 20 admitted"
+
+    async def stored() -> int:
+        return sum(
+            [
+                await charged(local_cluster.url, prefix, identifier)
+                for identifier in set(identifiers)
+            ]
+        )
+
+    converged, total = await settle(stored, 20)
+    assert converged, f"stored {total} for 20 admitted"
