@@ -212,8 +212,34 @@ async def test_calls_cancelled_once_sent_charge_nothing(
 ) -> None:
     """Calls cancelled the moment their request leaves the client (the server then runs
     them) leave exactly the admitted decisions' weight stored."""
-    limiter, proxy, direct_url = on_the_wire
-    await limiter.peek(IDENTIFIER)  # connections open and the script loaded
+    await _cancel_once_sent(*on_the_wire, prefix, [IDENTIFIER] * 10)
+
+
+@pytest.mark.cluster
+async def test_calls_of_a_node_batch_cancelled_once_sent_charge_nothing(
+    local_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """The same, with each tick's 10 calls on 10 slots of one node: one FCALL of decide_node,
+    whose callers are all cancelled as it leaves."""
+    node, identifiers = _on_slots_of_one_node(local_cluster, prefix, 10)
+    proxies = await Proxies().start((n.host, n.port) for n in local_cluster.nodes)
+    client = proxied_client(local_cluster, proxies)
+    limiter = Limiter(client, [ROOMY], prefix=prefix)
+    try:
+        await _cancel_once_sent(limiter, proxies[node.port], local_cluster.url, prefix, identifiers)
+    finally:
+        await limiter.aclose()
+        await client.aclose()
+        await proxies.aclose()
+
+
+async def _cancel_once_sent(
+    limiter: Limiter, proxy: Proxy, direct_url: str, prefix: str, identifiers: list[str]
+) -> None:
+    """20 rounds of one try_acquire per identifier, all cancelled when their request passes
+    ``proxy``; then the stored weight converges to the admitted decisions'."""
+    for identifier in set(identifiers):
+        await limiter.peek(identifier)  # connections open and the script loaded
     in_flight: list[asyncio.Future[Decision]] = []
 
     def cancel_in_flight(link: Link, data: bytes) -> None:
@@ -224,15 +250,19 @@ async def test_calls_cancelled_once_sent_charge_nothing(
     proxy.on_request = cancel_in_flight
     admitted = cancelled = 0
     for _ in range(20):
-        in_flight[:] = [asyncio.ensure_future(limiter.try_acquire(IDENTIFIER)) for _ in range(10)]
+        in_flight[:] = [asyncio.ensure_future(limiter.try_acquire(i)) for i in identifiers]
         for outcome in await asyncio.gather(*in_flight, return_exceptions=True):
             admitted += told_admitted(outcome)
             cancelled += isinstance(outcome, asyncio.CancelledError)
     proxy.on_request = None
     await limiter.aclose()
     assert cancelled > 0
-    converged, stored = await settle(lambda: charged(direct_url, prefix, IDENTIFIER), admitted)
-    assert converged, f"stored {stored} for {admitted} admitted ({cancelled} cancelled)"
+
+    async def stored() -> int:
+        return sum([await charged(direct_url, prefix, i) for i in set(identifiers)])
+
+    converged, total = await settle(stored, admitted)
+    assert converged, f"stored {total} for {admitted} admitted ({cancelled} cancelled)"
 
 
 # --- item 1: a stopped server, and replies that come back late ---------------------------------
