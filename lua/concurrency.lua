@@ -20,12 +20,26 @@ FACTORIES.lease = function()
     return members
   end
 
+  -- Drops the op's leases; a set left empty is marked so (see prelude.lua's mark_emptied):
+  -- the reply's check then reads it as empty.
+  local function drop(pair, op, weight)
+    local members = lease_members(op, weight)
+    local size = redis.call('ZCOUNT', pair.aux, '-inf', '+inf')
+    local removed = 0
+    for i = 1, #members, BATCH do
+      removed = removed + redis.call('ZREM', pair.aux,
+                                     unpack(members, i, math.min(i + BATCH - 1, #members)))
+    end
+    if removed >= size then mark_emptied(pair.aux) end
+  end
+
   local leases = {
     -- count_refused's penalty charges rate limits only: a refused call holds no slot.
     penalty_free = true,
 
     check = function(s, pair, now, weight)
-      local count = lease_live(pair, now)
+      local count = 0
+      if not is_emptied(pair.aux) then count = lease_live(pair, now) end
       local reset = 0
       if count > 0 then
         local newest = redis.call('ZRANGE', pair.aux, -1, -1, 'WITHSCORES')
@@ -41,7 +55,7 @@ FACTORIES.lease = function()
     end,
 
     charge = function(s, pair, now, weight, op)
-      redis.call('ZREMRANGEBYSCORE', pair.aux, '-inf', fmt(now))
+      if weight == 0 then return end  -- (takes no lease)
       local expires = fmt(now + pair.period)
       local args = {}
       for _, member in ipairs(lease_members(op, weight)) do
@@ -49,6 +63,8 @@ FACTORIES.lease = function()
         args[#args + 1] = member
       end
       call_batched('ZADD', pair.aux, nil, args)
+      -- Expired leases go after the new ones are in (they expire later): never empty.
+      redis.call('ZREMRANGEBYSCORE', pair.aux, '-inf', fmt(now))
       want_ttl(s, math.ceil(pair.period / 1000) + 1)
       local ttl = redis.call('PTTL', pair.aux)
       local want = math.ceil(pair.period / 1000) + 1 + CALL.slack
@@ -57,13 +73,11 @@ FACTORIES.lease = function()
 
     -- A plain refund cannot tell whose lease to drop: only undo and release remove leases.
     refund = function(s, pair, now, weight, at, op)
-      if op ~= '' and at then
-        call_batched('ZREM', pair.aux, nil, lease_members(op, weight))
-      end
+      if op ~= '' and at then drop(pair, op, weight) end
     end,
 
     release = function(s, pair, now, weight, op)
-      call_batched('ZREM', pair.aux, nil, lease_members(op, weight))
+      drop(pair, op, weight)
     end,
 
     -- Whether the op's leases are still live (all of an op's units share one expiry).

@@ -395,6 +395,7 @@ end
 -- nothing of its neighbours').
 local function decide(KEYS, ARGV, batch)
   call_seq = call_seq + 1
+  CALL.emptied = nil
   if not batch then loaded = {} end
   now_text = nil
   slack = tonumber(ARGV[4])

@@ -15,8 +15,9 @@
 -- server and kept between calls; run with EVAL it is built on every call. So state that
 -- belongs to one call lives only in CALL, `loaded` and decide.lua's call state, which decide()
 -- resets first.
--- slack: this call's TTL slack, ms (ARGV[4]); writing: the call has reached its first write
-local CALL = {slack = 0, writing = false}
+-- slack: this call's TTL slack, ms (ARGV[4]); writing: the call has reached its first write;
+-- emptied: the aux keys this call emptied (nil: none), see emptied() below
+local CALL = {slack = 0, writing = false, emptied = nil}
 local ALGORITHMS = {}  -- code -> {check, charge, refund[, release, renew]}
 local FACTORIES = {}  -- code -> function building that table
 
@@ -101,6 +102,25 @@ local function stage_del(s, field)
     del[field] = true
     s.dirty = true
   end
+end
+
+-- A sorted set this call emptied (Redis deleted it) is never touched again in the call: on a
+-- Redis Cluster slot being migrated, a key its node does not hold answers "non local key",
+-- and a script that fails then keeps the writes it made. So an algorithm adds before it
+-- removes, keeps one entry of a set it goes on writing, and marks a set it may have emptied:
+-- is_emptied() reads it as empty without asking Redis.
+local function mark_emptied(key)
+  local emptied = CALL.emptied
+  if not emptied then
+    emptied = {}
+    CALL.emptied = emptied
+  end
+  emptied[key] = true
+end
+
+local function is_emptied(key)
+  local emptied = CALL.emptied
+  return emptied ~= nil and emptied[key] == true
 end
 
 local function want_ttl(s, ms)

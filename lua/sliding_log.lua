@@ -17,8 +17,8 @@
 -- O(log² n). So a call costs O(log n + voids) whatever the weight (one ZADD for weight 10^6)
 -- and however many entries are live. Writes stay bounded too:
 --   charge  adds or updates one entry, drops at most TRIM expired ones (one ZREMRANGEBYSCORE up
---           to the TRIM-th; expired entries no longer count, so leaving some changes nothing),
---           and deletes at most SWEEP voided ones;
+--           to the TRIM-th, never the newest entry; expired entries no longer count, so leaving
+--           some changes nothing), and deletes at most SWEEP voided ones;
 --   refund  (newest first) walks down from N past the voids to the new total y. When at most
 --           CUT entries lie above y they go (one ZREMRANGEBYSCORE; the entry holding y is cut
 --           to y); past that, (y, N] becomes a void whose entries are deleted SWEEP per call,
@@ -33,6 +33,9 @@
 -- from that entry. A void is dropped once its numbers fall to or below base (they left the
 -- window). Past VOIDS ranges the lowest is dropped: its units count again until they leave the
 -- window (errs toward refusing; it takes VOIDS late undos or large refunds within one period).
+-- No call empties the set and then touches it again (see prelude.lua's mark_emptied): an entry
+-- is rewritten by adding the new member before removing the old, and the sweep of voided
+-- entries keeps the lowest when every entry is voided (it counts nothing and expires).
 -- Memory: an entry is added only when the live weight is below A (an admission), or, under
 -- count_refused, by a penalty while the window is not over A; once it is, a penalty adds its
 -- weight to the newest entry and moves it to now (the count errs on refusing; the op that
@@ -146,8 +149,10 @@ FACTORIES.log = function()
   end
 
   -- Live weight in the window, base, and the newest entry (nil when the log is empty).
-  local function log_count(pair, now, list)
-    local newest = at_rank(pair, -1)
+  -- `newest`: the newest entry when the caller has it already.
+  local function log_count(pair, now, list, newest)
+    if is_emptied(pair.aux) then return 0, 0, nil end
+    newest = newest or at_rank(pair, -1)
     if not newest then return 0, 0, nil end
     if newest.t <= now - pair.period then return 0, newest.c, newest end
     local oldest = entry(redis.call('ZRANGEBYSCORE', pair.aux, after(now - pair.period), '+inf',
@@ -186,14 +191,21 @@ FACTORIES.log = function()
       elseif v.hi < newest.c then
         break
       elseif v.lo > newest.c - newest.w then
-        redis.call('ZREM', pair.aux, newest.member)
+        -- (the cut entry is added before the whole one goes: the set never empties)
         put(pair, newest.t, v.lo, newest.w - (newest.c - v.lo))
+        redis.call('ZREM', pair.aux, newest.member)
         table.remove(list)
         break
       else
         if budget == 0 then break end
-        local rank = first_where(pair, -size_of(pair), -1,
-                                 function(e) return e.c - e.w >= v.lo end)
+        local size = size_of(pair)
+        local rank = first_where(pair, -size, -1, function(e) return e.c - e.w >= v.lo end)
+        if rank <= -size then
+          -- Every entry is voided: the lowest stays (it counts nothing, and leaves with the
+          -- window), so the set this call goes on writing is never emptied.
+          if size == 1 then break end
+          rank = 1 - size
+        end
         if -rank > budget then rank = -budget end
         budget = budget + rank
         redis.call('ZREMRANGEBYSCORE', pair.aux, fmt(at_rank(pair, rank).t), '+inf')
@@ -207,10 +219,11 @@ FACTORIES.log = function()
           local first = first_where(pair, 0, size - 1, function(e) return e.c - e.w >= v.lo end)
           local beyond = first_where(pair, 0, size, function(e) return e.c > v.hi end)
           local e = at_rank(pair, first)
-          if e.c - e.w < v.lo or first >= beyond then
-            v.dirty = false  -- no whole entry left inside
+          local last = math.min(beyond - 1, first + budget - 1)
+          if first == 0 and last >= size - 1 then last = size - 2 end  -- never empty it
+          if e.c - e.w < v.lo or first > last then
+            v.dirty = false  -- no whole entry left inside that may go
           else
-            local last = math.min(beyond - 1, first + budget - 1)
             redis.call('ZREMRANGEBYSCORE', pair.aux, fmt(e.t), fmt(at_rank(pair, last).t))
             if last == beyond - 1 then v.dirty = false end
           end
@@ -247,18 +260,31 @@ FACTORIES.log = function()
     end,
 
     charge = function(s, pair, now, weight, op, reserving, penalty)
-      local cut = now - pair.period
-      local far = redis.call('ZRANGEBYSCORE', pair.aux, '-inf', fmt(cut), 'WITHSCORES',
-                             'LIMIT', TRIM - 1, 1)
-      redis.call('ZREMRANGEBYSCORE', pair.aux, '-inf', far[2] or fmt(cut))
+      -- Expired entries go, at most TRIM of them, and never the newest: the set is written
+      -- next, so the trim must not empty it (an expired newest entry counts nothing).
+      local newest = at_rank(pair, -1)
+      if newest then
+        local cut = now - pair.period
+        local far = redis.call('ZRANGEBYSCORE', pair.aux, '-inf', fmt(cut), 'WITHSCORES',
+                               'LIMIT', TRIM - 1, 1)
+        local bound = far[2] or fmt(cut)
+        if newest.t <= (tonumber(far[2]) or cut) then bound = after(newest.t) end
+        redis.call('ZREMRANGEBYSCORE', pair.aux, '-inf', bound)
+      end
       local list = voids_of(s, pair)
       local had = #list > 0
-      if had then list = tidy(pair, now, list) end
-      local count, _, newest = log_count(pair, now, list)
+      if had then
+        list = tidy(pair, now, list)
+        newest = nil  -- (tidy may have changed it)
+      end
+      local count, _
+      count, _, newest = log_count(pair, now, list, newest)
       local c = newest and newest.c or 0
       if newest and (newest.t == now or (penalty and count >= pair.amount)) then
-        redis.call('ZREM', pair.aux, newest.member)
-        put(pair, now, c + weight, newest.w + weight)
+        -- Rewritten in place: the new member is added before the old one goes.
+        local member = fmt(c + weight) .. '/' .. fmt(newest.w + weight)
+        redis.call('ZADD', pair.aux, fmt(now), member)
+        if member ~= newest.member then redis.call('ZREM', pair.aux, newest.member) end
       else
         put(pair, now, c + weight, weight)
       end
@@ -283,17 +309,35 @@ FACTORIES.log = function()
         local later = redis.call('ZRANGEBYSCORE', pair.aux, after(at), '+inf',
                                  'WITHSCORES', 'LIMIT', 0, REWRITE + 1)
         if not above and #later <= 2 * REWRITE then
-          -- Lower c of the few entries charged after it (no void lies at or above it).
-          local gone, back = {e.member}, {}
-          if e.w > take then back = {fmt(e.t), fmt(e.c - take) .. '/' .. fmt(e.w - take)} end
+          -- Lower c of the few entries charged after it (no void lies at or above it). The
+          -- new members are added first (one may be an old member's name: ZADD moves it, and
+          -- it is not removed), so the set empties only when e was its one entry.
+          local back, written = {}, {}
+          local function write(t, c, w)
+            local member = fmt(c) .. '/' .. fmt(w)
+            back[#back + 1] = fmt(t)
+            back[#back + 1] = member
+            written[member] = true
+          end
+          if e.w > take then write(e.t, e.c - take, e.w - take) end
+          local gone = {}
+          local entries = {e}
           for i = 1, #later / 2 do
             local l = entry(later, i)
-            gone[#gone + 1] = l.member
-            back[#back + 1] = fmt(l.t)
-            back[#back + 1] = fmt(l.c - take) .. '/' .. fmt(l.w)
+            entries[#entries + 1] = l
+            write(l.t, l.c - take, l.w)
           end
-          redis.call('ZREM', pair.aux, unpack(gone))
-          if #back > 0 then redis.call('ZADD', pair.aux, unpack(back)) end
+          for _, x in ipairs(entries) do
+            if not written[x.member] then gone[#gone + 1] = x.member end
+          end
+          if #back > 0 then
+            redis.call('ZADD', pair.aux, unpack(back))
+            if #gone > 0 then redis.call('ZREM', pair.aux, unpack(gone)) end
+          else
+            local alone = at_rank(pair, 0).member == e.member  -- (nothing follows e)
+            redis.call('ZREM', pair.aux, e.member)
+            if alone then mark_emptied(pair.aux) end
+          end
           return
         end
         -- Void `take` of its numbers, the highest unvoided first.
@@ -333,6 +377,7 @@ FACTORIES.log = function()
       if y <= oldest.c - oldest.w then
         -- All of it: UNLINK frees a large set off the main thread (DEL took ~0.3 µs an entry).
         redis.call('UNLINK', pair.aux)
+        mark_emptied(pair.aux)
         stage_del(s, void_field(pair))
         return
       end
@@ -342,9 +387,16 @@ FACTORIES.log = function()
       local rank = first_where(pair, -size_of(pair), -1, function(e) return e.c > y end)
       if -rank <= CUT then
         local e = at_rank(pair, rank)
-        redis.call('ZREMRANGEBYSCORE', pair.aux, fmt(e.t), '+inf')
         local kept = y - (e.c - e.w)
-        if kept > 0 then put(pair, e.t, y, kept) end
+        if kept > 0 then
+          -- e cut to y: added before e and those above go, so the set never empties.
+          put(pair, e.t, y, kept)
+          redis.call('ZREM', pair.aux, e.member)
+          redis.call('ZREMRANGEBYSCORE', pair.aux, after(e.t), '+inf')
+        else
+          -- (e is not the oldest entry, whose bottom is below y: the set keeps that one)
+          redis.call('ZREMRANGEBYSCORE', pair.aux, fmt(e.t), '+inf')
+        end
         voids_save(s, pair, below)
         return
       end
@@ -358,7 +410,9 @@ FACTORIES.log = function()
   local refund_entries = log.refund
   log.refund = function(s, pair, now, weight, at)
     refund_entries(s, pair, now, weight, at)
-    redis.call('PEXPIRE', pair.aux, math.ceil(pair.period / 1000) + 1 + CALL.slack)
+    if not is_emptied(pair.aux) then
+      redis.call('PEXPIRE', pair.aux, math.ceil(pair.period / 1000) + 1 + CALL.slack)
+    end
   end
   return log
 end

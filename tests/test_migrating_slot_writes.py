@@ -1,0 +1,290 @@
+"""A call on a slot being migrated, whose keys are all still here, runs whole.
+
+While a slot is MIGRATING, its node serves the keys it still holds and answers "non local
+key" (an ASK, inside a script) for any key it does not hold, a key the script itself just
+emptied included. Redis keeps the writes of a script that fails part way, so a call that
+empties a sorted set and touches it again (a trim that removes the last expired entry, then
+the new entry's ZADD; an UNLINK, then a PEXPIRE or the reply's read) would be answered with
+an error and leave part of its writes: a charge or a credit that nobody recorded.
+
+The algorithms never touch a key again after emptying it: they add before they remove, keep
+one entry rather than empty a set they go on using, and remember in the call what they
+emptied (it reads as empty). The oracle is the same program on an identifier in a stable
+slot of the same node: every reply and every stored key must match. Each test module run
+starts a private 2-primary cluster (redis-server, and Valkey where a binary is found).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import AskError, ResponseError, TryAgainError
+from test_decide_many import _value, _workload
+from test_decide_node import _slot_of
+
+import cluster
+from aiolimit import BaseLimit, Concurrency, Limit, Limiter, SlidingLog
+from aiolimit._calls import Mode, decide_library, encode
+
+pytestmark = pytest.mark.cluster
+
+T0 = 1_700_000_000_000_000
+SECOND = 1_000_000
+VALKEY = cluster.find_valkey_binary()
+
+
+@pytest.fixture(scope="module", params=["redis", "valkey"])
+def nodes(request: pytest.FixtureRequest) -> Iterator[cluster.Cluster]:
+    if request.param == "valkey" and VALKEY is None:
+        pytest.skip("no valkey-server")
+    with cluster.start_cluster(
+        primaries=2,
+        replicas_per_primary=0,
+        binary=VALKEY if request.param == "valkey" else None,
+    ) as started:
+        yield started
+
+
+@dataclass(frozen=True)
+class Step:
+    mode: Mode
+    at: float  # seconds after T0
+    weight: int = 1
+    op: int = 0  # the op's stamp (the undone op's, for an undo); 0: the step's own number
+    open: str = ""  # older stamps still open (their undo may come)
+
+
+def _acquire(at: float, weight: int = 1) -> Step:
+    return Step(Mode.ACQUIRE, at, weight)
+
+
+# name: (limits, the steps before the migration starts, the step run while it is under way)
+PROGRAMS: dict[str, tuple[list[BaseLimit], list[Step], Step]] = {
+    "log charge after its only entry expired": (
+        [SlidingLog(3, per=60)],
+        [_acquire(0)],
+        _acquire(61),
+    ),
+    "log charge after every entry expired, several": (
+        [SlidingLog(3, per=60), Limit(5, per=60)],
+        [_acquire(0), _acquire(1, 2)],
+        _acquire(70),
+    ),
+    "log charge at its newest entry's time": (
+        [SlidingLog(3, per=60)],
+        [_acquire(0)],
+        _acquire(0),
+    ),
+    "log charge whose tidy deletes the last voided entries": (
+        [SlidingLog(1000, per=60)],
+        [_acquire(0)]
+        + [_acquire(30 + i / 1000) for i in range(130)]
+        + [Step(Mode.REFUND, 31, 130)],
+        _acquire(61),
+    ),
+    "log refund of everything (UNLINK, then its TTL)": (
+        [SlidingLog(2, per=3600), SlidingLog(10, per=60)],
+        [_acquire(0), _acquire(120)],
+        Step(Mode.REFUND, 121),
+    ),
+    "log refund that cuts its oldest entry": (
+        [SlidingLog(5, per=60)],
+        [_acquire(0, 3)],
+        Step(Mode.REFUND, 1, 2),
+    ),
+    "log undo of its only entry": (
+        [SlidingLog(5, per=60)],
+        [_acquire(0, 2)],
+        Step(Mode.UNDO, 1, 2, op=1),
+    ),
+    "log undo that rewrites a later entry into its own name": (
+        # "2/2" then "4/2": undoing the first rewrites the second as "2/2".
+        [SlidingLog(5, per=60)],
+        [_acquire(0, 2), Step(Mode.ACQUIRE, 1, 2, open="1")],
+        Step(Mode.UNDO, 2, 2, op=1),
+    ),
+    "lease acquire after its only lease expired": (
+        [Concurrency(2, lease_ttl=5)],
+        [_acquire(0)],
+        _acquire(6),
+    ),
+    "lease release of its only lease": (
+        [Concurrency(2, lease_ttl=5), Limit(10, per=60)],
+        [_acquire(0)],
+        Step(Mode.RELEASE, 1, op=1),
+    ),
+    "lease undo of its only lease": (
+        [Concurrency(2, lease_ttl=5)],
+        [_acquire(0)],
+        Step(Mode.UNDO, 1, op=1),
+    ),
+}
+
+
+def _two_slots(nodes: cluster.Cluster, node: cluster.Node, prefix: str) -> tuple[str, str]:
+    """Two identifiers on ``node``, on slots of their own."""
+    found: dict[int, str] = {}
+    for i in range(20_000):
+        identifier = f"ip:{i}"
+        slot = _slot_of(prefix, identifier)
+        if nodes.node_for_slot(slot).port == node.port:
+            found.setdefault(slot, identifier)
+            if len(found) == 2:
+                first, second = found.values()
+                return first, second
+    raise AssertionError(f"no two identifiers on {node!r}")
+
+
+async def _run(
+    client: Redis,
+    limits: Sequence[BaseLimit],
+    prefix: str,
+    identifier: str,
+    step: Step,
+    number: int,
+) -> Any:
+    """Runs a step with an op id, as the limiter does (step ``number`` of its program)."""
+    plans = Limiter("memory://", list(limits), prefix=prefix)._rules.plans(identifier)
+    op = f"c:{step.op or number}:{step.open}"
+    call = encode(step.mode, plans, step.weight, T0 + int(step.at * SECOND), 0, op)
+    try:
+        reply = await client.execute_command(  # type: ignore[no-untyped-call]
+            "FCALL", decide_library().function, len(call.keys), *call.keys, *call.args
+        )
+    except ResponseError as error:
+        reply = error
+    return _value(reply)
+
+
+async def _stored(client: Redis, prefix: str, identifier: str) -> dict[str, Any]:
+    """The identifier's keys (named without prefix and identifier): their values, and whether
+    each has a TTL."""
+    state: dict[str, Any] = {}
+    async for key in client.scan_iter(match=f"{prefix}:{{{identifier}}}*"):
+        name = key.decode()[len(prefix) :].replace("{" + identifier + "}", "{ID}")
+        if (await client.type(key)).decode() == "hash":
+            value: Any = await client.hgetall(key)
+        else:
+            value = await client.zrange(key, 0, -1, withscores=True)
+        state[name] = (value, await client.pttl(key) > 0)
+    return state
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+async def test_a_call_on_a_migrating_slot_runs_whole_as_on_a_stable_one(
+    nodes: cluster.Cluster, name: str
+) -> None:
+    limits, setup, last = PROGRAMS[name]
+    source, target = nodes.primaries()[:2]
+    prefix = f"m{zlib.crc32(name.encode()) % 10**6}"
+    moving, stable = _two_slots(nodes, source, prefix)
+    slot = _slot_of(prefix, moving)
+    client = Redis(host=source.host, port=source.port)
+    try:
+        await client.execute_command("FUNCTION", "LOAD", "REPLACE", decide_library().code)
+        for number, step in enumerate(setup, 1):
+            for identifier in (moving, stable):
+                reply = await _run(client, limits, prefix, identifier, step, number)
+                assert not isinstance(reply[0], str), reply
+        target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+        source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+        try:
+            number = len(setup) + 1
+            expected = await _run(client, limits, prefix, stable, last, number)
+            got = await _run(client, limits, prefix, moving, last, number)
+            stored = await _stored(client, prefix, moving)
+        finally:
+            for node in (target, source):
+                node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
+        assert got == expected
+        assert stored == await _stored(client, prefix, stable)
+    finally:
+        await client.aclose()
+
+
+async def _snapshot(client: Redis, keys: Sequence[str]) -> list[tuple[bytes, int] | None]:
+    """Each key's serialized value and TTL (ms), None for a missing one."""
+    taken: list[tuple[bytes, int] | None] = []
+    for key in keys:
+        value = await client.dump(key)
+        taken.append(None if value is None else (value, await client.pttl(key)))
+    return taken
+
+
+async def _restore(
+    client: Redis, keys: Sequence[str], taken: Sequence[tuple[bytes, int] | None]
+) -> None:
+    for key, item in zip(keys, taken, strict=True):
+        await client.delete(key)
+        if item is not None:
+            await client.restore(key, max(item[1], 0), item[0])
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+async def test_random_programs_on_a_migrating_slot_run_whole_or_not_at_all(
+    nodes: cluster.Cluster, seed: int
+) -> None:
+    """decide_many's random programs (every algorithm, ops, undos, releases, refunds, errors)
+    on one identifier. Before each call, its keys are copied to an identifier of a stable slot
+    of the same node; the call runs there, and on the original while its slot is MIGRATING.
+    Each call on the migrating slot either answers and stores exactly as on the stable copy,
+    or is redirected (ASK, TRYAGAIN: a key of it is missing) having written nothing, and then
+    runs as on the copy once the slot is stable again."""
+    source, target = nodes.primaries()[:2]
+    prefix = f"w{seed}"
+    moving, stable = _two_slots(nodes, source, prefix)
+    slot = _slot_of(prefix, moving)
+    program = _workload(prefix, seed, 250, groups=[[moving]])
+    function = decide_library().function
+
+    async def run(keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return _value(await client.execute_command("FCALL", function, len(keys), *keys, *args))
+        except (AskError, TryAgainError):
+            raise
+        except ResponseError as error:
+            return _value(error)
+
+    whole = redirected = 0
+    client = Redis(host=source.host, port=source.port)
+    try:
+        await client.execute_command("FUNCTION", "LOAD", "REPLACE", decide_library().code)
+        for call in program:
+            copy = [key.replace("{" + moving + "}", "{" + stable + "}") for key in call.keys]
+            before = await _snapshot(client, call.keys)
+            await _restore(client, copy, before)
+            expected = await run(copy, call.args)
+            stored = await _stored(client, prefix, stable)
+            target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+            source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+            try:
+                got = await run(call.keys, call.args)
+                whole += 1
+            except (AskError, TryAgainError):
+                got = None
+                redirected += 1
+            finally:
+                for node in (target, source):
+                    node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
+            if got is None:
+                after = await _snapshot(client, call.keys)
+                # The same values, and no TTL raised (they only ran down meanwhile).
+                assert [item and item[0] for item in after] == [
+                    item and item[0] for item in before
+                ], "wrote, then redirected"
+                assert all(
+                    a is None or b is None or a[1] <= b[1]
+                    for a, b in zip(after, before, strict=True)
+                ), "a TTL was set, then redirected"
+                got = await run(call.keys, call.args)
+            assert got == expected, call.args
+            assert await _stored(client, prefix, moving) == stored, call.args
+    finally:
+        await client.aclose()
+    # Both ways were taken, the one this file is about often.
+    assert whole > 100 and redirected > 5, (whole, redirected)
