@@ -549,6 +549,25 @@ local function decide(KEYS, ARGV, batch)
     return reply
   end
 
+  if mode == 'refund' or mode == 'undo' or mode == 'release' then
+    -- These write pair by pair and read a pair's sorted set only when they get to it (an
+    -- acquire reads every one before it writes). With several sets, each is read once first,
+    -- so one that cannot be read (a wrong type) fails the call before its first write.
+    local first_aux = nil
+    for i = 1, npairs do
+      local aux = PAIRS[i].aux
+      if aux and aux ~= first_aux then
+        if first_aux then
+          for j = 1, npairs do
+            if PAIRS[j].aux then redis.call('ZCOUNT', PAIRS[j].aux, '+inf', '+inf') end
+          end
+          break
+        end
+        first_aux = aux
+      end
+    end
+  end
+
   if mode == 'refund' or mode == 'undo' then
     if mode == 'undo' and not op_client then
       return redis.error_reply('ERR aiolimit: undo needs an op id')

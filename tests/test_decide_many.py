@@ -207,6 +207,44 @@ async def test_a_call_that_raises_part_way_is_its_own_error(server: Redis, prefi
     assert await server.get(both[1].keys[0]) == b"a string"
 
 
+async def _dumped(client: Redis, prefix: str) -> dict[bytes, bytes | None]:
+    """Every key under prefix, serialized (whatever its type)."""
+    return {key: await client.dump(key) async for key in client.scan_iter(match=f"{prefix}:*")}
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+@pytest.mark.parametrize("mode", [Mode.REFUND, Mode.UNDO, Mode.RELEASE])
+async def test_a_writing_call_whose_last_set_is_not_a_set_writes_nothing(
+    server: Redis, prefix: str, mode: Mode, batched: bool
+) -> None:
+    """A refund, an undo or a release over two identifiers' logs and leases, the last sorted
+    set it would touch planted with a string: refused (WRONGTYPE) before its first write.
+    (An acquire reads every set before it writes; these modes wrote the first identifier's
+    sets, then failed on the second's, and Redis keeps a failed script's writes.)"""
+    limiter = Limiter(
+        "memory://", [SlidingLog(5, per=60), Concurrency(3, lease_ttl=30)], prefix=prefix
+    )
+    plans = limiter._rules.plans(["ip:x", "ip:y"])
+    acquire = encode(Mode.ACQUIRE, plans, 2, T0, 0, "c:1:")
+    assert (await _one_by_one(server, [acquire]))[0][0] == 1
+    planted = plans[1].keys[2 if mode is Mode.RELEASE else 1]  # ip:y's lease set, or its log
+    assert await server.type(planted) == b"zset"
+    await server.delete(planted)
+    await server.set(planted, "a string")
+    before = await _dumped(server, prefix)
+    op = "" if mode is Mode.REFUND else "c:1:"
+    call = encode(mode, plans, 2, T0 + 1000, 0, op)
+    peek = encode(Mode.PEEK, limiter._rules.plans("ip:x"), 0, T0 + 1000, 0)
+    if batched:
+        failed, after = await _many(server, [call, peek])
+    else:
+        (failed,) = await _one_by_one(server, [call])
+        (after,) = await _one_by_one(server, [peek])
+    assert failed[0] == "error" and "WRONGTYPE" in failed[1], failed
+    assert await _dumped(server, prefix) == before
+    assert after[4] == 3 and after[8] == 1  # ip:x: 2 of 5 logged, 2 of 3 leases still held
+
+
 async def test_a_call_with_fewer_blocks_than_it_announces_is_refused(
     server: Redis, prefix: str
 ) -> None:
