@@ -16,7 +16,10 @@ starts a private 2-primary cluster (redis-server, and Valkey where a binary is f
 
 from __future__ import annotations
 
+import asyncio
+import random
 import zlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +31,7 @@ from test_decide_many import _value, _workload
 from test_decide_node import _slot_of
 
 import cluster
-from aiolimit import BaseLimit, Concurrency, Limit, Limiter, SlidingLog
+from aiolimit import BaseLimit, Concurrency, Limit, Limiter, RateLimited, SlidingLog
 from aiolimit._calls import Mode, decide_library, encode
 
 pytestmark = pytest.mark.cluster
@@ -288,3 +291,68 @@ async def test_random_programs_on_a_migrating_slot_run_whole_or_not_at_all(
         await client.aclose()
     # Both ways were taken, the one this file is about often.
     assert whole > 100 and redirected > 5, (whole, redirected)
+
+
+async def test_leases_and_logs_under_a_slow_live_migration_lose_nothing(
+    nodes: cluster.Cluster,
+) -> None:
+    """6 tasks take a lease and log a request on 4 identifiers (``async with limiter.limit``,
+    released on exit), and give the request back inside (``refund``, as after an upstream
+    error), while the slots stay MIGRATING for half a second, then move. A refund that empties
+    a log and a release that empties a lease set happen all the time on the migrating node: no
+    error reaches a caller, no log keeps a unit, and every lease is released."""
+    source, target = nodes.primaries()[:2]
+    prefix = "live"
+    found: dict[int, str] = {}
+    for i in range(20_000):
+        identifier = f"ip:{i}"
+        slot = _slot_of(prefix, identifier)
+        if nodes.node_for_slot(slot).port == source.port:
+            found.setdefault(slot, identifier)
+            if len(found) == 4:
+                break
+    hot = list(found.values())
+    limits: list[BaseLimit] = [SlidingLog(100_000, per=3600), Concurrency(3, lease_ttl=60)]
+    admitted: Counter[str] = Counter()
+    errors: list[BaseException] = []
+    stop = asyncio.Event()
+    url = f"redis+cluster://{source.host}:{source.port}"
+    async with Limiter(url, limits, prefix=prefix, deadline=5.0) as limiter:
+
+        async def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            while not stop.is_set():
+                identifier = rng.choice(hot)
+                try:
+                    async with limiter.limit(identifier, timeout=0):
+                        admitted[identifier] += 1
+                        await asyncio.sleep(rng.random() / 1000)
+                        await limiter.refund(identifier)
+                except RateLimited:
+                    await asyncio.sleep(0)
+                except Exception as error:  # collected: the test's verdict
+                    errors.append(error)
+
+        tasks = [asyncio.create_task(worker(seed)) for seed in range(6)]
+        try:
+            await asyncio.sleep(0.2)
+            for slot in found:
+                target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+                source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(nodes.migrate_slots, list(found), target, 1, 3)
+            await asyncio.sleep(0.2)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+    assert errors == [], errors[:3]
+    assert all(nodes.node_for_slot(slot).port == target.port for slot in found)
+    client = Redis(host=target.host, port=target.port)
+    try:
+        for identifier in hot:
+            logged = await client.zrange(f"{prefix}:{{{identifier}}}:log:3600000000", 0, -1)
+            assert admitted[identifier] > 20
+            assert logged == [], identifier
+            assert await client.zcard(f"{prefix}:{{{identifier}}}:lease") == 0
+    finally:
+        await client.aclose()
