@@ -27,6 +27,7 @@ FACTORIES.lease = function()
     local size = redis.call('ZCOUNT', pair.aux, '-inf', '+inf')
     local removed = 0
     for i = 1, #members, BATCH do
+      if removed >= size then break end  -- (emptied: not touched again)
       removed = removed + redis.call('ZREM', pair.aux,
                                      unpack(members, i, math.min(i + BATCH - 1, #members)))
     end

@@ -675,6 +675,7 @@ local function run_many(KEYS, ARGV, first, verify)
   end
   local batch = {now = nil}
   local replies = {}
+  local gone = nil  -- keys an earlier call of the batch emptied (nil: none)
   loaded = {}
   for c = 1, n do
     local at = starts[c]
@@ -683,7 +684,24 @@ local function run_many(KEYS, ARGV, first, verify)
     for i = 1, at[4] do args[i] = ARGV[at[2] + 1 + i] end
     local ok, reply
     CALL.writing = false  -- (set by decide just before its first write)
-    if verify and at[3] > 1 then
+    CALL.emptied = nil
+    local hit = nil  -- this call's keys that an earlier call of the batch emptied
+    if gone then
+      for i = 1, #keys do
+        if gone[keys[i]] then
+          hit = hit or {}
+          hit[#hit + 1] = keys[i]
+        end
+      end
+    end
+    local unserved = false
+    if hit and not (verify and at[3] > 1) then
+      -- Its keys were there when the batch began (declared keys are checked then), but on a
+      -- slot being migrated an emptied one is "non local" now, and this call could meet it
+      -- after a write of its own: it is read first, so the call fails before it runs.
+      ok, reply = pcall(redis.call, 'EXISTS', unpack(hit))
+      if ok then ok, reply = pcall(decide, keys, args, batch) else unserved = true end
+    elseif verify and at[3] > 1 then
       -- Keys not declared are checked where they are read. A call's first read comes before
       -- its first write, but with several keys a later one may fail after a write (a slot
       -- half migrated): all of them are checked first, as a declared key would have been.
@@ -692,10 +710,14 @@ local function run_many(KEYS, ARGV, first, verify)
     else
       ok, reply = pcall(decide, keys, args, batch)
     end
+    if CALL.emptied then
+      gone = gone or {}
+      for key in pairs(CALL.emptied) do gone[key] = true end
+    end
     if ok then
       replies[c] = reply
     else
-      if verify and not CALL.writing then
+      if unserved or (verify and not CALL.writing) then
         -- Failed before its first write (a key of a slot this node does not serve now, or
         -- half migrated; or any other error): nothing of it ran, so its client may send it
         -- again through the cluster's redirections. One that failed after writing is not

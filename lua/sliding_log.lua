@@ -361,6 +361,7 @@ FACTORIES.log = function()
         voids_save(s, pair, tidy(pair, now, list))
         return
       end
+      if weight <= 0 then return end  -- (nothing to give back; y would be newest.c)
       local newest = at_rank(pair, -1)
       if not newest then return end
       -- The running total once `weight` unvoided units are taken from the top.

@@ -95,13 +95,13 @@ async def test_a_refund_cut_short_by_a_migration_is_not_given_twice(
     nodes: cluster.Cluster, batched: bool
 ) -> None:
     """SlidingLog(2/h) and SlidingLog(10/min): two admissions two minutes apart fill the hour
-    log. Refund 1 while the slot is MIGRATING: the hour log is credited, the minute log is
-    UNLINKed (all of it refunded). Its PEXPIRE then met the missing key ("non local key",
-    after a write) until the algorithms stopped touching a set they emptied (see
-    tests/test_migrating_slot_writes.py); sent again once the slot had moved, it would have
-    credited a second unit, and two requests would be admitted where one fits. Now the
-    refund runs whole, in a node batch or alone (one FCALL, keys declared), and is applied
-    once: exactly one request fits."""
+    log. Refund 1 while the slot is MIGRATING: the hour log is credited, then the minute log.
+    The minute log used to be emptied there (its first entry had been trimmed) and its
+    PEXPIRE met the missing key ("non local key", after a write); sent again once the slot
+    had moved, the refund would have credited a second unit, and two requests would be
+    admitted where one fits. Since the algorithms keep or skip what they empty (see
+    tests/test_migrating_slot_writes.py) the refund runs whole, in a node batch or alone (one
+    FCALL, keys declared), and is applied once: exactly one request fits."""
     prefix = "r2"
     source, target = nodes.primaries()[:2]
     identifier, bystander = _owned(nodes, source, prefix, 2)

@@ -32,7 +32,7 @@ from test_decide_node import _slot_of
 
 import cluster
 from aiolimit import BaseLimit, Concurrency, Limit, Limiter, RateLimited, SlidingLog
-from aiolimit._calls import Mode, decide_library, encode
+from aiolimit._calls import Call, Mode, decide_library, encode
 
 pytestmark = pytest.mark.cluster
 
@@ -91,9 +91,11 @@ PROGRAMS: dict[str, tuple[list[BaseLimit], list[Step], Step]] = {
         _acquire(61),
     ),
     "log refund of everything (UNLINK, then its TTL)": (
-        [SlidingLog(2, per=3600), SlidingLog(10, per=60)],
-        [_acquire(0), _acquire(120)],
-        Step(Mode.REFUND, 121),
+        # The minute log holds 61 s and 62 s (the trim at 62 s took 0 s): a refund of 2
+        # empties it; the hour log keeps its 0 s entry.
+        [SlidingLog(10, per=3600), SlidingLog(10, per=60)],
+        [_acquire(0, 3), _acquire(61), _acquire(62)],
+        Step(Mode.REFUND, 63, 2),
     ),
     "log refund that cuts its oldest entry": (
         [SlidingLog(5, per=60)],
@@ -354,5 +356,143 @@ async def test_leases_and_logs_under_a_slow_live_migration_lose_nothing(
             assert admitted[identifier] > 20
             assert logged == [], identifier
             assert await client.zcard(f"{prefix}:{{{identifier}}}:lease") == 0
+    finally:
+        await client.aclose()
+
+
+async def test_a_batched_call_after_one_that_emptied_its_set_is_sent_again(
+    nodes: cluster.Cluster,
+) -> None:
+    """Two refunds of one identifier in one tick are one decide_many call on its slot (keys
+    declared, checked once at the command's entry). On a migrating slot the first empties the
+    log (UNLINK); the second would then meet the emptied log as "non local key". It is
+    refused before it runs, tagged as not served, and sent again through the cluster client
+    (TRYAGAIN until the slot settles): no error reaches either caller, and the log's two units
+    are back."""
+    source, target = nodes.primaries()[:2]
+    prefix = "again"
+    moving, _ = _two_slots(nodes, source, prefix)
+    slot = _slot_of(prefix, moving)
+    url = f"redis+cluster://{source.host}:{source.port}"
+    async with Limiter(url, [SlidingLog(3, per=3600)], prefix=prefix, deadline=3.0) as limiter:
+        for _ in range(2):
+            assert (await limiter.try_acquire(moving)).allowed
+        assert (await limiter.peek(moving)).remaining == 1
+        target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+        source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+
+        async def settle() -> None:
+            await asyncio.sleep(0.3)
+            for node in (target, source):
+                node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
+
+        try:
+            results = await asyncio.gather(
+                limiter.refund(moving, weight=2), limiter.refund(moving), settle(),
+                return_exceptions=True,
+            )  # fmt: skip
+        finally:
+            for node in (target, source):
+                node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
+        assert not any(isinstance(result, BaseException) for result in results), results
+        assert (await limiter.peek(moving)).remaining == 3
+
+
+def _encoded(
+    limits: Sequence[BaseLimit], prefix: str, identifier: str, step: Step, number: int
+) -> Call:
+    plans = Limiter("memory://", list(limits), prefix=prefix)._rules.plans(identifier)
+    op = f"c:{step.op or number}:{step.open}"
+    return encode(step.mode, plans, step.weight, T0 + int(step.at * SECOND), 0, op)
+
+
+async def _run_many(client: Redis, calls: Sequence[Call]) -> Any:
+    """The calls as one FCALL of decide_many (keys declared), as the stores send a pipeline."""
+    keys: list[Any] = []
+    args: list[Any] = [len(calls)]
+    for call in calls:
+        keys += call.keys
+        args += [len(call.keys), len(call.args), *call.args]
+    try:
+        reply = await client.execute_command(  # type: ignore[no-untyped-call]
+            "FCALL", decide_library().many, len(keys), *keys, *args
+        )
+    except ResponseError as error:
+        reply = error
+    return _value(reply)
+
+
+# name: (limits, steps before the migration, one batch run while it is under way, steps after)
+BATCHES: dict[str, tuple[list[BaseLimit], list[Step], list[Step], list[Step]]] = {
+    # The minute log holds 61 s and 62 s: the first refund empties it; the second credits the
+    # hour log, then reads the minute log. A resend of the second must replay, not credit.
+    "a refund after a refund that emptied a log": (
+        [SlidingLog(10, per=3600), SlidingLog(10, per=60)],
+        [_acquire(0, 3), _acquire(61), _acquire(62)],
+        [Step(Mode.REFUND, 63, 2, op=4), Step(Mode.REFUND, 63, 1, op=5)],
+        [Step(Mode.REFUND, 63, 1, op=5), Step(Mode.PEEK, 64, 1, op=9)],
+    ),
+    # Ops 1 and 2 share one log entry (same instant), op 3 comes later and its charge trims
+    # their expired leases. Op 3's release empties the lease set; op 1's undo then credits
+    # the log and reads the lease set. Its retry must credit nothing of op 2's.
+    "an undo after a release that emptied the lease set": (
+        [SlidingLog(5, per=3600), Concurrency(5, lease_ttl=1)],
+        [_acquire(0), Step(Mode.ACQUIRE, 0, open="1"), Step(Mode.ACQUIRE, 2, open="1")],
+        [Step(Mode.RELEASE, 2.5, op=3, open="1"), Step(Mode.UNDO, 2.5, op=1)],
+        [Step(Mode.UNDO, 3, op=1), Step(Mode.PEEK, 3, 1, op=9)],
+    ),
+    # A release of more leases than the op holds, past one ZREM slice (1,000 members): the
+    # first slice empties the set, the second must not touch it.
+    "a release past one ZREM slice": (
+        [Concurrency(1000, lease_ttl=30)],
+        [_acquire(0, 1000)],
+        [Step(Mode.RELEASE, 1, 1500, op=1)],
+        [Step(Mode.PEEK, 2, 1, op=9)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+async def test_a_batch_on_a_migrating_slot_ends_as_on_a_stable_one(
+    nodes: cluster.Cluster, name: str
+) -> None:
+    """A decide_many batch whose earlier call empties a set a later call touches. On the
+    migrating slot the later call is refused before it runs, tagged "aiolimit: unserved: "
+    (the cluster store sends such a call again alone, as done here once the slot is stable):
+    every reply, and what is stored, ends as on a stable slot."""
+    limits, setup, batch, after = BATCHES[name]
+    source, target = nodes.primaries()[:2]
+    prefix = f"b{zlib.crc32(name.encode()) % 10**6}"
+    moving, stable = _two_slots(nodes, source, prefix)
+    slot = _slot_of(prefix, moving)
+    client = Redis(host=source.host, port=source.port)
+    try:
+        await client.execute_command("FUNCTION", "LOAD", "REPLACE", decide_library().code)
+        for number, step in enumerate(setup, 1):
+            for identifier in (moving, stable):
+                reply = await _run(client, limits, prefix, identifier, step, number)
+                assert not isinstance(reply[0], str), reply
+        first = len(setup) + 1
+
+        def calls(identifier: str) -> list[Call]:
+            return [_encoded(limits, prefix, identifier, s, first + i) for i, s in enumerate(batch)]
+
+        expected = await _run_many(client, calls(stable))
+        target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+        source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+        try:
+            got = await _run_many(client, calls(moving))
+        finally:
+            for node in (target, source):
+                node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
+        for i, reply in enumerate(got):
+            if isinstance(reply, tuple) and "aiolimit: unserved: " in reply[1]:
+                got[i] = await _run(client, limits, prefix, moving, batch[i], first + i)
+        assert got == expected
+        for number, step in enumerate(after, first + len(batch)):
+            assert await _run(client, limits, prefix, moving, step, number) == await _run(
+                client, limits, prefix, stable, step, number
+            ), step
+        assert await _stored(client, prefix, moving) == await _stored(client, prefix, stable)
     finally:
         await client.aclose()

@@ -127,6 +127,19 @@ async def test_voids_agree_with_the_reference_model(store_url: str, prefix: str,
     assert big >= 10, f"only {big} undos/refunds took the void path: the test lost its point"
 
 
+async def test_a_refund_of_weight_zero_gives_nothing_back(store_url: str, prefix: str) -> None:
+    """The script takes weight 0 (the Python API refuses it; decide_many's random programs send
+    it): a refund of 0, with an op or without, leaves the log as it was. (Once, cutting the
+    newest entry to itself added its own name and then removed it: all 3 units came back.)"""
+    limit = SlidingLog(5, per=60)
+    async with Limiter(store_url, [limit], prefix=prefix) as limiter:
+        script = Script(limiter, prefix, limit)
+        assert (await script.call("acquire", T0, 3, "c:1:"))[0] == 1
+        await script.call("refund", T0 + 1000, 0)
+        await script.call("refund", T0 + 2000, 0, "c:2:")
+        assert verdict(await script.call("peek", T0 + 3000, 1)).remaining == 2
+
+
 async def test_voids_agree_with_the_reference_model_on_the_cluster(
     redis_cluster_url: str, prefix: str
 ) -> None:
