@@ -18,6 +18,8 @@ Scenarios, each on fresh identifiers, times from the server's TIME:
   16 to an FCALL over 4 identifiers, as the stores send a pipeline: server µs per decision;
 - ``many 1x1 spread``: the same over 256 identifiers (as ``bench.bench``'s 64 tasks x 4
   identifiers each), so a batch rarely touches one key twice;
+- ``many 1x1 spread, no op``: the same without op ids: what the exactly-once ledger (reading,
+  recording and storing the op) costs is the difference (the limiter always sends one);
 - ``floor``: what any script of this kind pays, with no logic at all: one FCALL that reads
   TIME, HGETALLs a small hash, HSETs 3 fields of it and returns 7 integers.
 
@@ -41,7 +43,8 @@ from aiolimit._calls import SCRIPT_FILES, Call, Mode, encode, lua_dir
 from aiolimit._stores.resp import command_head, pack_many
 
 SCENARIOS = (
-    "check", "acquire+op", "acquire+16 open", "2x3+op", "many 1x1", "many 1x1 spread", "many 2x3"
+    "check", "acquire+op", "acquire+16 open", "2x3+op", "many 1x1", "many 1x1 spread",
+    "many 1x1 spread, no op", "many 2x3",
 )  # fmt: skip
 FLOOR = """#!lua name=cost_floor
 redis.register_function('cost_floor', function(keys, args)
@@ -84,7 +87,7 @@ def program(scenario: str, run: int, count: int) -> list[Call]:
     calls = []
     for i in range(1, count + 1):
         who = f"{run}"
-        if scenario == "many 1x1 spread":  # (as the bench's 64 tasks x 4 identifiers)
+        if scenario.startswith("many 1x1 spread"):  # (as the bench's 64 tasks x 4 identifiers)
             who = f"{run}:{i % 256}"
         elif scenario.startswith("many"):
             who = f"{run}:{i % 4}"
@@ -93,6 +96,8 @@ def program(scenario: str, run: int, count: int) -> list[Call]:
         elif scenario in ("acquire+op", "many 1x1", "many 1x1 spread"):
             plans = one._rules.plans(f"ip:{who}")
             calls.append(encode(Mode.ACQUIRE, plans, 1, None, 0, f"c{run}:{i}:"))
+        elif scenario == "many 1x1 spread, no op":
+            calls.append(encode(Mode.ACQUIRE, one._rules.plans(f"ip:{who}"), 1, None, 0))
         elif scenario == "acquire+16 open":
             opened = ",".join(str(stamp) for stamp in range(max(1, i - 16), i))
             plans = one._rules.plans(f"ip:{who}")
@@ -191,13 +196,13 @@ async def measure(directories: Sequence[Path], rounds: int, count: int) -> list[
             median = statistics.median(values)
             medians.append(median)
             cells.append(f"{directory!s:>20s}: best {min(values):6.2f} median {median:6.2f}")
-        line = f"{scenario:16s} " + " | ".join(cells)
+        line = f"{scenario:22s} " + " | ".join(cells)
         if len(medians) == 2 and None not in medians:
             first, second = medians
             assert first is not None and second is not None
             line += f" | second/first {second / first:.2f}"
         lines.append(line)
-    lines.append(f"{'floor':16s} best {min(floor):6.2f} median {statistics.median(floor):6.2f}")
+    lines.append(f"{'floor':22s} best {min(floor):6.2f} median {statistics.median(floor):6.2f}")
     return lines
 
 
