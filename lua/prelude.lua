@@ -16,7 +16,7 @@
 -- belongs to one call lives only in CALL, `loaded` and decide.lua's call state, which decide()
 -- resets first.
 -- slack: this call's TTL slack, ms (ARGV[4]); writing: the call has reached its first write;
--- emptied: the aux keys this call emptied (nil: none), see emptied() below
+-- emptied: the aux keys this call emptied (nil: none), see mark_emptied() below
 local CALL = {slack = 0, writing = false, emptied = nil}
 local ALGORITHMS = {}  -- code -> {check, charge, refund[, release, renew]}
 local FACTORIES = {}  -- code -> function building that table
