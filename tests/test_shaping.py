@@ -213,3 +213,68 @@ async def test_a_cancelled_waiter_never_lets_two_through_at_once(
         await asyncio.gather(*tasks.values())
         times = sorted(admitted.values())
         assert all(later - earlier >= 200_000 for earlier, later in pairwise(times)), admitted
+
+
+async def _admissions(
+    limiter: Limiter, clock: ManualClock, ids: Any, n: int, seconds: float
+) -> tuple[list[Decision], list[int]]:
+    """``n`` concurrent ``acquire(ids, timeout=60)`` while the manual clock steps 50 ms at a
+    time for ``seconds``: the decisions, and when (µs after START) their waiters got them
+    back, in order."""
+    await asyncio.gather(*(limiter.peek(ids) for _ in range(n)))  # open the connections
+    returned: list[tuple[int, Decision]] = []
+
+    async def waiter() -> None:
+        decision = await limiter.acquire(ids, timeout=60)
+        returned.append((elapsed_us(clock), decision))
+
+    tasks = [asyncio.create_task(waiter()) for _ in range(n)]
+    await decided(limiter, n)
+    for _ in range(round(seconds / 0.05)):
+        await asyncio.sleep(0.01)  # (real time: a retry's round trip)
+        await settle()
+        clock.advance(0.05)
+    await asyncio.sleep(0.01)
+    await settle()
+    await asyncio.gather(*tasks)
+    return [decision for _, decision in sorted(returned, key=lambda item: item[0])], sorted(
+        at for at, _ in returned
+    )
+
+
+@pytest.mark.parametrize(
+    ("limits", "ids"),
+    [
+        ([TokenBucket(5, per=1, burst=1), TokenBucket(2, per=1, burst=1)], "ip:1"),
+        ({"ip": [TokenBucket(5, per=1, burst=1)], "user": [TokenBucket(2, per=1, burst=1)]},
+         ["ip:1", "user:1"]),
+    ],
+    ids=["one identifier, two buckets", "two identifiers, a bucket each"],
+)  # fmt: skip
+async def test_a_waiter_under_several_buckets_waits_for_the_slowest_turn(
+    store_url: str, prefix: str, limits: Any, ids: Any
+) -> None:
+    """6 acquirers under 5/s and 2/s (burst 1 each): each is given a turn on both buckets in
+    its one decision and waits for the later: they pass 0.5 s apart, the slower bucket's
+    pace, each exactly at its turn."""
+    clock = ManualClock(start=START)
+    async with Limiter(store_url, limits, prefix=prefix, clock=clock) as limiter:
+        decisions, times = await _admissions(limiter, clock, ids, 6, 2.6)
+        assert limiter.statistics().decisions == 6
+    assert sorted(turn_us(d) for d in decisions) == [turn * 500_000 for turn in range(6)]
+    assert times == [turn * 500_000 for turn in range(6)], times
+
+
+async def test_a_waiter_under_a_bucket_and_a_window_never_passes_either(
+    store_url: str, prefix: str
+) -> None:
+    """A bucket (5/s, burst 1) that reserves turns and a window (3 per 2 s) that cannot: 8
+    acquirers all pass, never more than 3 in any 2 s and never two within 0.2 s."""
+    clock = ManualClock(start=START)
+    limits = [TokenBucket(5, per=1, burst=1), Limit(3, per=2, precision=0.1)]
+    async with Limiter(store_url, limits, prefix=prefix, clock=clock) as limiter:
+        decisions, times = await _admissions(limiter, clock, "ip:1", 8, 6.0)
+    assert all(d.allowed for d in decisions) and len(times) == 8, times
+    assert all(later - earlier >= 200_000 for earlier, later in pairwise(times)), times
+    for i, start in enumerate(times):
+        assert sum(1 for t in times[i:] if t < start + 2_000_000) <= 3, times
