@@ -13,8 +13,10 @@ from typing import Any
 
 import anyio
 import pytest
+from redis.crc import key_slot
 
 from aiolimit import Decision, Limit, Limiter, MinInterval, RateLimited, TokenBucket
+from aiolimit._keys import main_key
 from aiolimit.testing import ManualClock
 
 START = 1_700_000_000.0
@@ -278,3 +280,20 @@ async def test_a_waiter_under_a_bucket_and_a_window_never_passes_either(
     assert all(later - earlier >= 200_000 for earlier, later in pairwise(times)), times
     for i, start in enumerate(times):
         assert sum(1 for t in times[i:] if t < start + 2_000_000) <= 3, times
+
+
+@pytest.mark.cluster
+async def test_on_the_cluster_two_slots_buckets_wait_for_the_slowest_turn(
+    redis_cluster_url: str, prefix: str
+) -> None:
+    """The same across two slots of a Redis Cluster (check, then commit, on each): the turns
+    reserved on both slots put each waiter at the slower bucket's pace."""
+    limits = {"ip": [TokenBucket(5, per=1, burst=1)], "user": [TokenBucket(2, per=1, burst=1)]}
+    clock = ManualClock(start=START)
+    async with Limiter(redis_cluster_url, limits, prefix=prefix, clock=clock) as limiter:
+        assert key_slot(main_key(prefix, "ip:1").encode()) != key_slot(
+            main_key(prefix, "user:1").encode()
+        )
+        decisions, times = await _admissions(limiter, clock, ["ip:1", "user:1"], 6, 2.6)
+    assert sorted(turn_us(d) for d in decisions) == [turn * 500_000 for turn in range(6)]
+    assert times == [turn * 500_000 for turn in range(6)], times
