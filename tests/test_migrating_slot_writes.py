@@ -20,7 +20,8 @@ import asyncio
 import random
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,21 @@ def nodes(request: pytest.FixtureRequest) -> Iterator[cluster.Cluster]:
         binary=VALKEY if request.param == "valkey" else None,
     ) as started:
         yield started
+
+
+@contextmanager
+def _migrating(source: cluster.Node, target: cluster.Node, *slots: int) -> Iterator[None]:
+    """The slots MIGRATING from ``source`` to ``target`` (keys stay where they are), then
+    STABLE again."""
+    for slot in slots:
+        target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+        source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+    try:
+        yield
+    finally:
+        for slot in slots:
+            for node in (target, source):
+                node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
 
 
 @dataclass(frozen=True)
@@ -145,6 +161,15 @@ def _two_slots(nodes: cluster.Cluster, node: cluster.Node, prefix: str) -> tuple
     raise AssertionError(f"no two identifiers on {node!r}")
 
 
+def _encoded(
+    limits: Sequence[BaseLimit], prefix: str, identifier: str, step: Step, number: int
+) -> Call:
+    """Step ``number`` of a program as a call, with an op id as the limiter sends one."""
+    plans = Limiter("memory://", list(limits), prefix=prefix)._rules.plans(identifier)
+    op = f"c:{step.op or number}:{step.open}"
+    return encode(step.mode, plans, step.weight, T0 + int(step.at * SECOND), 0, op)
+
+
 async def _run(
     client: Redis,
     limits: Sequence[BaseLimit],
@@ -153,10 +178,8 @@ async def _run(
     step: Step,
     number: int,
 ) -> Any:
-    """Runs a step with an op id, as the limiter does (step ``number`` of its program)."""
-    plans = Limiter("memory://", list(limits), prefix=prefix)._rules.plans(identifier)
-    op = f"c:{step.op or number}:{step.open}"
-    call = encode(step.mode, plans, step.weight, T0 + int(step.at * SECOND), 0, op)
+    """Runs step ``number`` of a program as one FCALL (keys declared): its reply as data."""
+    call = _encoded(limits, prefix, identifier, step, number)
     try:
         reply = await client.execute_command(  # type: ignore[no-untyped-call]
             "FCALL", decide_library().function, len(call.keys), *call.keys, *call.args
@@ -180,15 +203,15 @@ async def _stored(client: Redis, prefix: str, identifier: str) -> dict[str, Any]
     return state
 
 
-@pytest.mark.parametrize("name", list(PROGRAMS))
-async def test_a_call_on_a_migrating_slot_runs_whole_as_on_a_stable_one(
-    nodes: cluster.Cluster, name: str
-) -> None:
-    limits, setup, last = PROGRAMS[name]
+@asynccontextmanager
+async def _set_up(
+    nodes: cluster.Cluster, prefix: str, limits: Sequence[BaseLimit], setup: Sequence[Step]
+) -> AsyncIterator[tuple[Redis, str, str, AbstractContextManager[None]]]:
+    """A client of the first primary (the library loaded), an identifier to move and a stable
+    one on slots of their own there, ``setup`` run on both, and a context manager that keeps
+    the first one's slot MIGRATING."""
     source, target = nodes.primaries()[:2]
-    prefix = f"m{zlib.crc32(name.encode()) % 10**6}"
     moving, stable = _two_slots(nodes, source, prefix)
-    slot = _slot_of(prefix, moving)
     client = Redis(host=source.host, port=source.port)
     try:
         await client.execute_command("FUNCTION", "LOAD", "REPLACE", decide_library().code)
@@ -196,20 +219,25 @@ async def test_a_call_on_a_migrating_slot_runs_whole_as_on_a_stable_one(
             for identifier in (moving, stable):
                 reply = await _run(client, limits, prefix, identifier, step, number)
                 assert not isinstance(reply[0], str), reply
-        target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
-        source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
-        try:
+        yield client, moving, stable, _migrating(source, target, _slot_of(prefix, moving))
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+async def test_a_call_on_a_migrating_slot_runs_whole_as_on_a_stable_one(
+    nodes: cluster.Cluster, name: str
+) -> None:
+    limits, setup, last = PROGRAMS[name]
+    prefix = f"m{zlib.crc32(name.encode()) % 10**6}"
+    async with _set_up(nodes, prefix, limits, setup) as (client, moving, stable, migrating):
+        with migrating:
             number = len(setup) + 1
             expected = await _run(client, limits, prefix, stable, last, number)
             got = await _run(client, limits, prefix, moving, last, number)
             stored = await _stored(client, prefix, moving)
-        finally:
-            for node in (target, source):
-                node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
         assert got == expected
         assert stored == await _stored(client, prefix, stable)
-    finally:
-        await client.aclose()
 
 
 async def _snapshot(client: Redis, keys: Sequence[str]) -> list[tuple[bytes, int] | None]:
@@ -265,17 +293,13 @@ async def test_random_programs_on_a_migrating_slot_run_whole_or_not_at_all(
             await _restore(client, copy, before)
             expected = await run(copy, call.args)
             stored = await _stored(client, prefix, stable)
-            target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
-            source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
-            try:
-                got = await run(call.keys, call.args)
-                whole += 1
-            except (AskError, TryAgainError):
-                got = None
-                redirected += 1
-            finally:
-                for node in (target, source):
-                    node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
+            with _migrating(source, target, slot):
+                try:
+                    got = await run(call.keys, call.args)
+                    whole += 1
+                except (AskError, TryAgainError):
+                    got = None
+                    redirected += 1
             if got is None:
                 after = await _snapshot(client, call.keys)
                 # The same values, and no TTL raised (they only ran down meanwhile).
@@ -398,14 +422,6 @@ async def test_a_batched_call_after_one_that_emptied_its_set_is_sent_again(
         assert (await limiter.peek(moving)).remaining == 3
 
 
-def _encoded(
-    limits: Sequence[BaseLimit], prefix: str, identifier: str, step: Step, number: int
-) -> Call:
-    plans = Limiter("memory://", list(limits), prefix=prefix)._rules.plans(identifier)
-    op = f"c:{step.op or number}:{step.open}"
-    return encode(step.mode, plans, step.weight, T0 + int(step.at * SECOND), 0, op)
-
-
 async def _run_many(client: Redis, calls: Sequence[Call]) -> Any:
     """The calls as one FCALL of decide_many (keys declared), as the stores send a pipeline."""
     keys: list[Any] = []
@@ -461,30 +477,16 @@ async def test_a_batch_on_a_migrating_slot_ends_as_on_a_stable_one(
     (the cluster store sends such a call again alone, as done here once the slot is stable):
     every reply, and what is stored, ends as on a stable slot."""
     limits, setup, batch, after = BATCHES[name]
-    source, target = nodes.primaries()[:2]
     prefix = f"b{zlib.crc32(name.encode()) % 10**6}"
-    moving, stable = _two_slots(nodes, source, prefix)
-    slot = _slot_of(prefix, moving)
-    client = Redis(host=source.host, port=source.port)
-    try:
-        await client.execute_command("FUNCTION", "LOAD", "REPLACE", decide_library().code)
-        for number, step in enumerate(setup, 1):
-            for identifier in (moving, stable):
-                reply = await _run(client, limits, prefix, identifier, step, number)
-                assert not isinstance(reply[0], str), reply
+    async with _set_up(nodes, prefix, limits, setup) as (client, moving, stable, migrating):
         first = len(setup) + 1
 
         def calls(identifier: str) -> list[Call]:
             return [_encoded(limits, prefix, identifier, s, first + i) for i, s in enumerate(batch)]
 
         expected = await _run_many(client, calls(stable))
-        target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
-        source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
-        try:
+        with migrating:
             got = await _run_many(client, calls(moving))
-        finally:
-            for node in (target, source):
-                node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
         for i, reply in enumerate(got):
             if isinstance(reply, tuple) and "aiolimit: unserved: " in reply[1]:
                 got[i] = await _run(client, limits, prefix, moving, batch[i], first + i)
@@ -494,5 +496,3 @@ async def test_a_batch_on_a_migrating_slot_ends_as_on_a_stable_one(
                 client, limits, prefix, stable, step, number
             ), step
         assert await _stored(client, prefix, moving) == await _stored(client, prefix, stable)
-    finally:
-        await client.aclose()
