@@ -116,6 +116,7 @@ local op_field = ''  -- "o:<client>": the client's ledger field
 local op_entry = ''  -- "<stamp>@": how the ledger entry of this op begins
 local op_open_text = ''  -- the open stamps as sent (ascending): parsed only when needed
 local max_wait = 0  -- ARGV[6]'s r<µs>, 0 for none
+local op_client_seen, op_field_seen = nil, ''  -- the last client seen and its op_field
 -- This call's pairs are PAIRS[1 .. npairs] and its main keys MAINS[1 .. nmains]. The pair
 -- tables are reused from call to call (decide() sets every field again), so a call allocates
 -- none of them.
@@ -308,6 +309,7 @@ end
 
 -- Writes what the call staged: one HSET, one HDEL and (about once a second) one PEXPIRE per
 -- main key.
+local HSET_ARGS = {}  -- HSET's arguments, reused: only the first n are sent
 local function flush()
   CALL.writing = true
   for i = 1, nmains do
@@ -328,7 +330,7 @@ local function flush()
       -- are kept for minutes, so that is soon enough, and the scan of every field is not
       -- paid on every call.
       if ttl or s.new_ledger == call_seq then op_prune(s) end
-      local hset, n = {}, 0
+      local hset, n = HSET_ARGS, 0
       for field, value in pairs(s.set) do
         hset[n + 1] = field
         hset[n + 2] = value
@@ -337,6 +339,7 @@ local function flush()
       if n <= BATCH then
         redis.call('HSET', s.key, unpack(hset, 1, n))
       else
+        for i = n + 1, #hset do hset[i] = nil end
         call_batched('HSET', s.key, nil, hset)
       end
       if s.del then
@@ -496,7 +499,8 @@ local function decide(KEYS, ARGV, batch)
       local oldest = tonumber(string.match(open, '%d+'))
       if oldest and oldest < op_floor then op_floor = oldest end
     end
-    op_field = 'o:' .. client
+    if client ~= op_client_seen then op_client_seen, op_field_seen = client, 'o:' .. client end
+    op_field = op_field_seen
     op_entry = fmt(op_stamp) .. '@'
     op = id
   end
@@ -656,13 +660,16 @@ end
 -- script run, its TIME and its HGETALLs are most of a small call's server time. A call that
 -- fails part way (an error raised, not returned) is that call's error reply; what the batch
 -- holds loaded is then dropped and read again, so no later call sees a write it did not make.
+-- A batch's layout (4 values per call) and a call's KEYS and ARGV are tables kept from batch
+-- to batch and filled anew (what is past a call's own is cleared), so a call allocates none.
+local STARTS, CALL_KEYS, CALL_ARGS = {}, {}, {}
 local function run_many(KEYS, ARGV, first, verify)
   local n = tonumber(ARGV[first])
   if not n or n < 0 or n % 1 ~= 0 then
     return redis.error_reply('ERR aiolimit: bad call count ' .. tostring(ARGV[first]))
   end
   -- The whole layout is checked before the first call runs: a bad one runs nothing.
-  local starts = {}
+  local starts = STARTS
   local k, a = 0, first + 1
   for c = 1, n do
     local nkeys, nargs = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
@@ -670,7 +677,8 @@ local function run_many(KEYS, ARGV, first, verify)
        or k + nkeys > #KEYS or a + 1 + nargs > #ARGV then
       return redis.error_reply('ERR aiolimit: bad batch layout at call ' .. c)
     end
-    starts[c] = {k, a, nkeys, nargs}
+    local at4 = 4 * c
+    starts[at4 - 3], starts[at4 - 2], starts[at4 - 1], starts[at4] = k, a, nkeys, nargs
     k, a = k + nkeys, a + 2 + nargs
   end
   local batch = {now = nil}
@@ -678,10 +686,13 @@ local function run_many(KEYS, ARGV, first, verify)
   local gone = nil  -- keys an earlier call of the batch emptied (nil: none)
   loaded = {}
   for c = 1, n do
-    local at = starts[c]
-    local keys, args = {}, {}
-    for i = 1, at[3] do keys[i] = KEYS[at[1] + i] end
-    for i = 1, at[4] do args[i] = ARGV[at[2] + 1 + i] end
+    local at4 = 4 * c
+    local k0, a0, nk, na = starts[at4 - 3], starts[at4 - 2], starts[at4 - 1], starts[at4]
+    local keys, args = CALL_KEYS, CALL_ARGS
+    for i = 1, nk do keys[i] = KEYS[k0 + i] end
+    for i = nk + 1, #keys do keys[i] = nil end
+    for i = 1, na do args[i] = ARGV[a0 + 1 + i] end
+    for i = na + 1, #args do args[i] = nil end
     local ok, reply
     CALL.writing = false  -- (set by decide just before its first write)
     CALL.emptied = nil
@@ -695,13 +706,13 @@ local function run_many(KEYS, ARGV, first, verify)
       end
     end
     local unserved = false
-    if hit and not (verify and at[3] > 1) then
+    if hit and not (verify and nk > 1) then
       -- Its keys were there when the batch began (declared keys are checked then), but on a
       -- slot being migrated an emptied one is "non local" now, and this call could meet it
       -- after a write of its own: it is read first, so the call fails before it runs.
       ok, reply = pcall(redis.call, 'EXISTS', unpack(hit))
       if ok then ok, reply = pcall(decide, keys, args, batch) else unserved = true end
-    elseif verify and at[3] > 1 then
+    elseif verify and nk > 1 then
       -- Keys not declared are checked where they are read. A call's first read comes before
       -- its first write, but with several keys a later one may fail after a write (a slot
       -- half migrated): all of them are checked first, as a declared key would have been.
