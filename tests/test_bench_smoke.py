@@ -92,3 +92,19 @@ def test_script_cost_measures_each_scenario_of_two_libraries(
     assert "best" in lines[-1]
     for line in lines[:-1]:
         assert line.count("best") == 2 and "second/first" in line, line
+
+
+def test_failover_bench_compares_stored_charges_with_admissions() -> None:
+    """bench.failover on a 3+3 cluster it starts (a primary killed, no full coverage): the
+    healthy shard stores exactly what it admitted, the dead one never more, and the stall is
+    timed from a decision sent after the kill (so it includes the replica's promotion)."""
+    import asyncio
+    import math
+
+    from bench import failover
+
+    result = asyncio.run(failover.measure(1000, full_coverage=False))
+    assert result["healthy_over_charged"] == 0, result
+    assert result["doomed_over_charged"] <= 0, result
+    assert result["healthy_errors"] == 0 and result["doomed_errors"] == 0, result
+    assert not math.isnan(result["stall_s"]) and result["stall_s"] >= 0.5, result
