@@ -154,12 +154,12 @@ local function ledger(s)
   if l then
     if l.seq ~= call_seq then  -- the first use in this call (of a batch): another op now
       l.seq, l.looked = call_seq, false
-      if s.fields[op_field] == nil then s.new_ledger = call_seq end
+      if read_field(s, op_field) == nil then s.new_ledger = call_seq end
     end
     return l
   end
   l = {name = op_field, horizon = 0, entries = '', looked = false, at = nil, seq = call_seq}
-  local raw = s.fields[op_field]
+  local raw = read_field(s, op_field)
   if raw then
     local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
     l.horizon = tonumber(horizon) or 0
@@ -283,10 +283,17 @@ end
 -- Beyond OP_CLIENTS fields, the least recently written go (a fleet of short-lived workers
 -- must not pile up ledgers in a busy key); a dropped ledger can only make an undo of its
 -- client credit nothing, erring toward refusing.
+-- The only read of every field of a key (a call fetches only its own): it runs when a client
+-- writes its first ledger in a key, and with the key's TTL, about once every TTL_STEP_MS.
 local function op_prune(s)
+  local fields = s.fields
+  local flat = redis.call('HGETALL', s.key)
+  for i = 1, #flat, 2 do  -- what the call fetched or staged wins over what is stored
+    if fields[flat[i]] == nil then fields[flat[i]] = flat[i + 1] end
+  end
   local live = {}
-  for name, value in pairs(s.fields) do
-    if string.sub(name, 1, 2) == 'o:' then
+  for name, value in pairs(fields) do
+    if value and string.sub(name, 1, 2) == 'o:' then
       local last = tonumber(string.match(value, '^(%d+);')) or 0
       if last + OP_RETENTION_MS * 1000 < now then
         stage_del(s, name)
@@ -321,7 +328,7 @@ local function flush()
       -- (in this key's time) kept in "x", so a busy key pays PEXPIRE about once a second.
       local expiry = t + (s.ttl_ms + slack) * 1000
       local ttl = nil
-      if expiry > (tonumber(s.fields['x']) or 0) then
+      if expiry > (tonumber(read_field(s, 'x')) or 0) then
         ttl = s.ttl_ms + slack + TTL_STEP_MS
         stage_set(s, 'x', fmt(t + ttl * 1000))
       end
@@ -396,6 +403,7 @@ end
 -- batch to the next, and the server's TIME is read once per batch. KEYS and ARGV are the
 -- call's own (decide_many gives each call a copy of its part: a malformed call can then read
 -- nothing of its neighbours').
+local FIELDS = {}  -- field names a key's fetch asks for, reused
 local function decide(KEYS, ARGV, batch)
   call_seq = call_seq + 1
   CALL.emptied = nil
@@ -473,20 +481,6 @@ local function decide(KEYS, ARGV, batch)
     end
   end
 
-  previous = nmains
-  nmains = 0
-  for i = 1, npairs do
-    local pair = PAIRS[i]
-    local s = load_main(pair.main)
-    if s.listed ~= call_seq then
-      s.listed = call_seq
-      nmains = nmains + 1
-      MAINS[nmains] = s
-    end
-    pair.s = s
-  end
-  for i = nmains + 1, previous do MAINS[i] = nil end
-
   op_client, op_stamp, op_floor, op_open_text = nil, 0, 0, ''
   if op ~= '' then
     local id, client, stamp, open = string.match(op, '^((%w+):(%d+)):([%d,]*)$')
@@ -504,6 +498,38 @@ local function decide(KEYS, ARGV, batch)
     op_entry = fmt(op_stamp) .. '@'
     op = id
   end
+
+  -- The main keys, each fetched once (see load_main): the fields this call's pairs read, and
+  -- its client's ledger. An identifier's pairs come one after the other (one block), so the
+  -- names of a key gather in FIELDS until the key changes.
+  previous = nmains
+  nmains = 0
+  local nfields, current = 0, nil
+  for i = 1, npairs do
+    local pair = PAIRS[i]
+    local s = load_main(pair.main)
+    if s ~= current then
+      if current then fetch(current, FIELDS, 1, nfields) end
+      current, nfields = s, 0
+      if op_client then
+        nfields = 1
+        FIELDS[1] = op_field
+      end
+    end
+    if s.listed ~= call_seq then
+      s.listed = call_seq
+      nmains = nmains + 1
+      MAINS[nmains] = s
+    end
+    pair.s = s
+    local name = pair.algo.field and pair.algo.field(pair)
+    if name then
+      nfields = nfields + 1
+      FIELDS[nfields] = name
+    end
+  end
+  if current then fetch(current, FIELDS, 1, nfields) end
+  for i = nmains + 1, previous do MAINS[i] = nil end
 
   if mode == 'check' or mode == 'peek' then
     local reply, all = decide_all(weight)

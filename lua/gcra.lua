@@ -39,6 +39,17 @@
 FACTORIES.gcra = function()
   local TURNS, HOLES = 16, 16
 
+  -- The limit's field name, made once per spec.
+  local function gcra_field(pair)
+    local spec = pair.spec
+    local name = spec.gcra_field
+    if not name then
+      name = 'g' .. pair.period_s .. '/' .. pair.param_s .. '/' .. fmt(pair.amount)
+      spec.gcra_field = name
+    end
+    return name
+  end
+
   -- Exact floor(a / b) for integers held in doubles (the quotient may round across an integer).
   local function idiv(a, b)
     local q = math.floor(a / b)
@@ -88,9 +99,8 @@ FACTORIES.gcra = function()
   -- The state as offsets from now scaled by R: tat (>= 0), turns, holes (ascending, disjoint),
   -- last admission; what lies behind now is dropped.
   local function gcra_state(s, pair, now)
-    local st = {name = 'g' .. pair.period_s .. '/' .. pair.param_s .. '/' .. fmt(pair.amount),
-                tat = 0, turns = {}, holes = {}}
-    local raw = s.fields[st.name]
+    local st = {name = gcra_field(pair), tat = 0, turns = {}, holes = {}}
+    local raw = read_field(s, st.name)
     if not raw then return st end
     local a, b, rest = string.match(raw, '^(%-?%d+):(%d+)(.*)$')
     if not a then return st end
@@ -251,6 +261,8 @@ FACTORIES.gcra = function()
   end
 
   local gcra = {
+    field = gcra_field,
+
     check = function(s, pair, now, weight, max_wait)
       local st = gcra_state(s, pair, now)
       local capacity = pair.amount * pair.period  -- B * T, scaled by R

@@ -18,7 +18,7 @@
 -- slack: this call's TTL slack, ms (ARGV[4]); writing: the call has reached its first write;
 -- emptied: the aux keys this call emptied (nil: none), see mark_emptied() below
 local CALL = {slack = 0, writing = false, emptied = nil}
-local ALGORITHMS = {}  -- code -> {check, charge, refund[, release, renew]}
+local ALGORITHMS = {}  -- code -> {check, charge, refund[, release, renew, field]}
 local FACTORIES = {}  -- code -> function building that table
 
 -- Each algorithm file registers a factory; a call builds only the algorithms it uses, so
@@ -60,22 +60,69 @@ local function call_batched(command, key, option, values)
   end
 end
 
--- Loads a main key once per script call. Algorithms read `fields` and stage writes in `set`
--- and `del`; decide.lua flushes them with one HSET, one HDEL and one PEXPIRE per key.
+-- A main key's state, once per script call (a batch's: once per batch). Only the fields a
+-- call reads are fetched, with one HMGET (see fetch()): "t", "x", the call's client ledger and
+-- its pairs' own fields. A key also holds other limits' fields and up to OP_CLIENTS ledgers
+-- (one per client process writing it, a whole fleet's on a busy identifier), and a call's
+-- cost must not grow with them. In `fields` a fetched field is its value, or false when the
+-- key does not have it; nil is a field not fetched (read it with read_field()). Algorithms stage
+-- writes in `set` and `del`; decide.lua flushes them with one HSET, one HDEL and one PEXPIRE
+-- per key.
 local loaded = {}  -- reset by decide() at the start of every call
 local function load_main(key)
   local s = loaded[key]
   if s then return s end
-  local flat = redis.call('HGETALL', key)
-  local fields = {}
-  for i = 1, #flat, 2 do
-    fields[flat[i]] = flat[i + 1]
-  end
   -- set and del (the staged writes) are made on the first write: a check writes nothing.
-  s = {key = key, fields = fields, t = tonumber(fields['t']) or 0, existed = #flat > 0,
+  -- t and existed are set by the first fetch.
+  s = {key = key, fields = {}, fetched = false, t = 0, existed = false,
        set = nil, del = nil, ttl_ms = 0, dirty = false}
   loaded[key] = s
   return s
+end
+
+-- Fetches names[first .. last] that s has not fetched (with "t" and "x" on its first fetch):
+-- one HMGET (slices of BATCH names past that). A name may repeat.
+local FETCH = {}  -- the HMGET's field names, reused: only the first m are sent
+local function fetch(s, names, first, last)
+  local fields = s.fields
+  local m = 0
+  local first_fetch = not s.fetched
+  if first_fetch then
+    FETCH[1], FETCH[2] = 't', 'x'
+    m = 2
+  end
+  for i = first, last do
+    local name = names[i]
+    if fields[name] == nil then
+      fields[name] = false  -- (taken: a repeated name is asked for once)
+      m = m + 1
+      FETCH[m] = name
+    end
+  end
+  for i = 1, m, BATCH do
+    local upto = math.min(i + BATCH - 1, m)
+    local values = redis.call('HMGET', s.key, unpack(FETCH, i, upto))
+    for j = i, upto do fields[FETCH[j]] = values[j - i + 1] end
+  end
+  if first_fetch then
+    s.fetched = true
+    s.t = tonumber(fields['t']) or 0
+    s.existed = fields['t'] ~= false  -- every write of a main key sets "t" (flush)
+  end
+end
+
+-- A field's value, nil if the key does not have it. One that no fetch named is read now (an
+-- algorithm names its own field ahead, see `field` in decide.lua; this is the safety net).
+local ONE_NAME = {}
+local function read_field(s, name)
+  local value = s.fields[name]
+  if value == nil then
+    ONE_NAME[1] = name
+    fetch(s, ONE_NAME, 1, 1)
+    value = s.fields[name]
+  end
+  if value == false then return nil end
+  return value
 end
 
 local function stage_set(s, field, value)
@@ -90,9 +137,10 @@ local function stage_set(s, field, value)
   s.dirty = true
 end
 
+-- (A field never fetched is deleted too: HDEL of a field the key does not have is harmless.)
 local function stage_del(s, field)
-  if s.fields[field] ~= nil then
-    s.fields[field] = nil
+  if s.fields[field] ~= false then
+    s.fields[field] = false
     if s.set then s.set[field] = nil end
     local del = s.del
     if not del then

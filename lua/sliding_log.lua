@@ -90,12 +90,18 @@ FACTORIES.log = function()
   end
 
   local function void_field(pair)
-    return 'v' .. pair.period_s
+    local spec = pair.spec
+    local name = spec.void_field
+    if not name then
+      name = 'v' .. pair.period_s
+      spec.void_field = name
+    end
+    return name
   end
 
   local function voids_of(s, pair)
     local list = {}
-    local raw = s.fields[void_field(pair)]
+    local raw = read_field(s, void_field(pair))
     if raw then
       for lo, hi, d in string.gmatch(raw, '(%d+):(%d+)(:?d?)') do
         list[#list + 1] = {lo = tonumber(lo), hi = tonumber(hi), dirty = d == ':d'}
@@ -235,6 +241,8 @@ FACTORIES.log = function()
   end
 
   local log = {
+    field = void_field,
+
     check = function(s, pair, now, weight)
       local list = voids_of(s, pair)
       local count, base, newest = log_count(pair, now, list)

@@ -101,14 +101,20 @@ FACTORIES.sw = function()
 
   -- The limit's stored field, parsed only as far as its ends. Cached per call, shared by the
   -- pairs of that limit.
-  local function sw_state(s, pair)
-    local spec = pair.spec  -- what depends on the spec alone is made once per spec
+  -- The limit's field name (what depends on the spec alone is made once per spec).
+  local function sw_field(pair)
+    local spec = pair.spec
     local name = spec.sw_name
     if not name then
       name = sw_name(pair)
       spec.sw_name = name
       spec.sw_n = math.ceil(pair.period / pair.param)
     end
+    return name
+  end
+
+  local function sw_state(s, pair)
+    local name = sw_field(pair)
     local cache = s.sw
     if not cache then
       cache = {}
@@ -117,7 +123,7 @@ FACTORIES.sw = function()
     local b = cache[name]
     if not b then
       b = {name = name}
-      local raw = s.fields[name]
+      local raw = read_field(s, name)
       if raw then
         local head, base, c0, rest = string.match(raw, '^((%d+)|(%d+)|)(.+)$')
         if base then
@@ -189,6 +195,8 @@ FACTORIES.sw = function()
   end
 
   return {
+    field = sw_field,
+
     check = function(s, pair, now, weight)
       local b = sw_state(s, pair)
       local p, n, cur = sw_geometry(pair, now)

@@ -377,6 +377,10 @@ COMMANDS = {
     "hash argument errors": """
         HSET {a} f v g; HSET {a} f; HDEL {a}; HGETALL {a} {b}; HGETALL {a}
     """,
+    "hmget": """
+        HSET {a} f1 v1 f2 v2; HMGET {a} f1; HMGET {a} f2 zz f1 f1; HMGET {b} f1 f2;
+        HMGET {a}; HMGET; HDEL {a} f1; HMGET {a} f1 f2; SET {b} s; HMGET {b} f1
+    """,
     "wrong types": """
         SET {a} s; HSET {b} f v; HSET {a} f v; HGETALL {a}; HDEL {a} f; GET {b}; ZADD {a} 1 m;
         ZADD {b} XX 1 m; ZRANGE {b} 0 -1; ZRANGEBYSCORE {b} 0 1; ZREM {b} m; ZCOUNT {b} 0 1;
@@ -704,6 +708,7 @@ def _command() -> st.SearchStrategy[list[str]]:
         build(st.just("PEXPIRE"), _KEY, st.sampled_from(["100000", "5000", "-1", "0", "x"])),
         build(st.just("HSET"), _KEY, _FIELDS, _VALUES),
         build(st.just("HDEL"), _KEY, _FIELDS),
+        build(st.just("HMGET"), _KEY, _FIELDS),
         build(st.just("ZADD"), _KEY, st.sampled_from([[], ["XX"]]), _SCORES, _MEMBERS),
         build(st.just("ZREM"), _KEY, _MEMBERS),
         build(st.sampled_from(["ZCOUNT", "ZREMRANGEBYSCORE"]), _KEY, _BOUNDS, _BOUNDS),

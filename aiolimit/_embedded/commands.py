@@ -115,6 +115,12 @@ def _hgetall(ks: Keyspace, args: Sequence[bytes]) -> Reply:
     return [item for pair in ks.get_hash(args[1]).items() for item in pair]
 
 
+def _hmget(ks: Keyspace, args: Sequence[bytes]) -> Reply:
+    """HMGET key field...: each field's value, nil for one the hash does not have."""
+    fields = ks.get_hash(args[1])
+    return [fields.get(bytes(field)) for field in args[2:]]
+
+
 COMMANDS.update(
     {
         b"time": (_time, 1),
@@ -127,6 +133,7 @@ COMMANDS.update(
         b"hset": (_hset, -4),
         b"hdel": (_hdel, -3),
         b"hgetall": (_hgetall, 2),
+        b"hmget": (_hmget, -3),
         b"zadd": (sorted_sets.zadd, -4),
         b"zcount": (sorted_sets.zcount, 4),
         b"zscore": (sorted_sets.zscore, 3),
