@@ -190,7 +190,11 @@ async def _judge_first(
     if verdict is not None and verdict.refused:
         return _problem(verdict)
     state.verdict = verdict
-    return await _run(state, request, handler)
+    try:
+        return await _run(state, request, handler)
+    finally:
+        if state.verdict is not None:  # the request is over: its Concurrency slots go back
+            await state.verdict.release()
 
 
 def rate_limit_middleware(

@@ -391,6 +391,14 @@ class RateLimitMiddleware:
                 extra = _encode(state.headers())
                 if extra:
                     message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            elif (
+                message["type"] == "http.response.body"
+                and not message.get("more_body", False)
+                and state.verdict is not None
+            ):
+                # Released before the response's end goes out: a client that sends its next
+                # request on reading this one never finds its own slot still held.
+                await state.verdict.release()
             await send(message)
 
         try:
@@ -399,6 +407,9 @@ class RateLimitMiddleware:
             if state.verdict is not None:
                 await state.verdict.give_back(on_error=True)
             raise
+        finally:
+            if state.verdict is not None:
+                await state.verdict.release()
         if status >= 500 and state.verdict is not None:
             await state.verdict.give_back(on_error=True)
 
@@ -549,15 +560,21 @@ class RateLimit:
         if not outer:
             for name, value in verdict.headers:
                 response.headers[name] = value
-        if not (verdict.refund and verdict.refundable):
-            yield verdict.decision_for(limiter)
-            return
         try:
-            yield verdict.decision_for(limiter)
-        except HTTPException as exc:
-            if exc.status_code >= 500:
+            if not (verdict.refund and verdict.refundable):
+                yield verdict.decision_for(limiter)
+                return
+            try:
+                yield verdict.decision_for(limiter)
+            except HTTPException as exc:
+                if exc.status_code >= 500:
+                    await verdict.give_back(on_error=True)
+                raise
+            except Exception:
                 await verdict.give_back(on_error=True)
-            raise
-        except Exception:
-            await verdict.give_back(on_error=True)
-            raise
+                raise
+        finally:
+            # The request is over: its Concurrency slots go back (the layer that judged it
+            # first releases them all; under a middleware, the middleware does).
+            if not outer:
+                await verdict.release()

@@ -180,6 +180,18 @@ async def refund_quietly(limiter: Limiter, ids: Sequence[str], weight: int) -> N
                        weight, len(ids), exc)  # fmt: skip
 
 
+async def release_quietly(decision: Decision) -> None:
+    """Releases the concurrency lease an admission holds, if any; a store failure is only
+    logged (the lease goes on being released in the background, see ``Lease.release``)."""
+    lease = decision.lease
+    if lease is None or lease.released:
+        return
+    try:
+        await lease.release()
+    except BackendError as exc:
+        logger.warning("aiolimit: releasing lease %s failed: %s", lease.op_id, exc)
+
+
 # -- one request ----------------------------------------------------------------------------
 
 
@@ -303,13 +315,22 @@ class Verdict:
         return None
 
     async def give_back(self, *, on_error: bool = False) -> None:
-        """Refunds the real charges not given back yet: all of them (a later refusal), or with
-        ``on_error`` those whose layers asked for ``refund_on_error`` (the request failed)."""
+        """Refunds the real charges not given back yet: all of them (a later refusal, which
+        also releases their leases), or with ``on_error`` those whose layers asked for
+        ``refund_on_error`` (the request failed)."""
         for charge in self.charges:
             if charge.refundable and (charge.refund or not on_error):
                 charge.given_back = True
                 ids = charge.refund_ids if on_error else charge.ids
                 await refund_quietly(charge.limiter, ids, charge.weight)
+            if not on_error:
+                await release_quietly(charge.decision)
+
+    async def release(self) -> None:
+        """The request is over: the ``Concurrency`` slots its admissions hold are released
+        (a ``Concurrency`` limit counts requests in flight, not requests per lease TTL)."""
+        for charge in self.charges:
+            await release_quietly(charge.decision)
 
 
 def merged_headers(charges: Sequence[Charge], *, legacy: bool) -> list[tuple[str, str]]:

@@ -1,0 +1,147 @@
+"""A ``Concurrency`` limit through the web layers counts requests in flight.
+
+An admission under a ``Concurrency`` limit holds a lease. The web layer that judged the request
+releases it when the request is over (answered, raised, or refused by a later layer), so the
+limit means "at most ``max`` requests at once", not "``max`` requests per ``lease_ttl``".
+Real uvicorn and aiohttp servers, real Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+from aiohttp import ClientSession, web
+from fastapi import Depends, FastAPI
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from aiolimit import Concurrency, Limit, Limiter
+from aiolimit import aiohttp as aio
+from aiolimit.starlette import RateLimit, RateLimitMiddleware
+from tests.test_web_aiohttp import running
+from tests.test_web_starlette import serve
+
+IP = "127.0.0.1"
+POOL = Concurrency(2, lease_ttl=60)
+
+
+@pytest.fixture
+async def limiter(redis_url: str, prefix: str) -> AsyncIterator[Limiter]:
+    made = Limiter(redis_url, {"ip": [POOL]}, prefix=prefix)
+    yield made
+    await made.aclose()
+
+
+class Gate:
+    """Holds the requests that reach the handler until opened; counts them."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.two_inside = asyncio.Event()
+        self.inside = 0
+
+    async def wait(self, hold: object) -> None:
+        if hold:
+            self.inside += 1
+            if self.inside == 2:
+                self.two_inside.set()
+            await self.open.wait()
+
+
+async def three_at_once_then_more(
+    get: Callable[[str], Awaitable[int]], gate: Gate, limiter: Limiter, identifier: str
+) -> None:
+    """Five requests one after another all pass; three at once while two are held: the third
+    is refused (429); once the two are answered, the slots are free again."""
+    assert [await get("/") for _ in range(5)] == [200] * 5
+    assert (await limiter.peek(identifier)).remaining == POOL.amount
+    held = [asyncio.ensure_future(get("/?hold=1")) for _ in range(2)]
+    async with asyncio.timeout(5):
+        await gate.two_inside.wait()
+    assert await get("/") == 429
+    assert (await limiter.peek(identifier)).remaining == 0
+    gate.open.set()
+    assert await asyncio.gather(*held) == [200, 200]
+    assert (await limiter.peek(identifier)).remaining == POOL.amount
+    assert [await get("/") for _ in range(3)] == [200] * 3
+
+
+async def test_the_starlette_middleware_releases_each_requests_slot(limiter: Limiter) -> None:
+    gate = Gate()
+
+    async def hello(request: Request) -> PlainTextResponse:
+        await gate.wait(request.query_params.get("hold"))
+        return PlainTextResponse("hi")
+
+    app = Starlette(routes=[Route("/", hello)])
+    app.add_middleware(RateLimitMiddleware, limiter=limiter)
+    async with serve(app) as client:
+
+        async def get(path: str) -> int:
+            return (await client.get(path)).status_code
+
+        await three_at_once_then_more(get, gate, limiter, f"ip:{IP}")
+
+
+async def test_a_fastapi_dependency_alone_releases_its_own_pool(
+    redis_url: str, prefix: str
+) -> None:
+    """The route's own ``Concurrency`` through ``Depends(RateLimit(...))``, no middleware; a
+    handler that raises gives its slot back too."""
+    gate = Gate()
+    limiter = Limiter(redis_url, [Limit(1000, per=60)], prefix=prefix)
+    app = FastAPI()
+
+    @app.get("/", dependencies=[Depends(RateLimit(limiter, [POOL], name="pool"))])
+    async def root(request: Request) -> dict[str, str]:
+        await gate.wait(request.query_params.get("hold"))
+        if request.query_params.get("fail"):
+            raise RuntimeError("the handler failed")
+        return {}
+
+    try:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False, client=(IP, 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+
+            async def get(path: str) -> int:
+                return (await client.get(path)).status_code
+
+            assert [await get("/?fail=1") for _ in range(3)] == [500] * 3
+            await three_at_once_then_more(get, gate, limiter, f"pool:ip:{IP}")
+    finally:
+        await limiter.aclose()
+
+
+@pytest.mark.parametrize("where", ["middleware", "decorator"])
+async def test_aiohttp_releases_each_requests_slot(
+    limiter: Limiter, redis_url: str, prefix: str, where: str
+) -> None:
+    gate = Gate()
+
+    async def hello(request: web.Request) -> web.Response:
+        await gate.wait(request.query.get("hold"))
+        return web.Response(text="hi")
+
+    if where == "middleware":
+        app = web.Application(middlewares=[aio.rate_limit_middleware(limiter)])
+        app.router.add_get("/", hello)
+        identifier, checked = f"ip:{IP}", limiter
+    else:
+        own = Limiter(redis_url, [Limit(1000, per=60)], prefix=prefix + "own")
+        app = web.Application()
+        app.router.add_get("/", aio.limit(own, [POOL], name="pool")(hello))
+        identifier, checked = f"pool:ip:{IP}", own
+    async with running(app) as base, ClientSession(base) as session:
+
+        async def get(path: str) -> int:
+            async with session.get(path) as response:
+                return response.status
+
+        await three_at_once_then_more(get, gate, checked, identifier)
+    if checked is not limiter:
+        await checked.aclose()
