@@ -196,7 +196,9 @@ def test_quota_and_window_of_every_limit_type() -> None:
     assert quota_and_window(Limit(5, per=0.5)) == (5, 1)  # sub-second windows round up
     assert quota_and_window(FixedWindow(7, per=60)) == (7, 60)
     assert quota_and_window(SlidingLog(9, per=3600)) == (9, 3600)
-    assert quota_and_window(TokenBucket(4, per=1, burst=20)) == (20, 1)
+    # A bucket's window is its time to refill from empty: q/w is its sustained rate.
+    assert quota_and_window(TokenBucket(4, per=1, burst=20)) == (20, 5)
+    assert quota_and_window(TokenBucket(10, per=60)) == (10, 60)
     assert quota_and_window(MinInterval(2.5)) == (1, 3)
     assert quota_and_window(Concurrency(3, lease_ttl=30)) == (3, 30)
     assert quota_and_window(None) is None

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from aiolimit._algorithms import TokenBucket
 from aiolimit._decision import Decision, PairDecision
 from aiolimit._errors import WeightNeverFits
 from aiolimit._limits import BaseLimit
@@ -32,12 +33,18 @@ REDUCED_CAPACITY = "https://iana.org/assignments/http-problem-types#temporary-re
 def quota_and_window(limit: BaseLimit | None) -> tuple[int, int] | None:
     """(quota, window in whole seconds) of a limit, for ``RateLimit-Policy``'s q and w.
 
-    Every limit type says both (``BaseLimit.amount`` and ``per``): a bucket's burst per its
-    period, a pool's size per its lease TTL.
+    Every limit type says both (``BaseLimit.amount`` and ``per``): a window's amount per its
+    period, a pool's size per its lease TTL. A token bucket's quota is its burst, and its
+    window the time the bucket takes to refill from empty (``burst / rate`` periods), so that
+    q/w is its sustained rate: ``TokenBucket(10, burst=100)`` is ``q=100;w=10``, not 100 per
+    second. A bucket that refills in under a second (``MinInterval(0.2)``) says 1 per second:
+    a window is whole seconds, and the quota is never more than the burst.
     """
     if limit is None:
         return None
     window = limit.per
+    if isinstance(limit, TokenBucket):
+        window = limit.per * limit.amount / limit.rate
     if not math.isfinite(window) or window <= 0:
         return None
     return limit.amount, max(1, math.ceil(window))
@@ -104,7 +111,13 @@ def rate_limit_headers(decision: Decision, *, legacy: bool = False) -> list[tupl
         headers += [("RateLimit-Policy", policies), ("RateLimit", limits)]
     if legacy and decision.limit is not None:
         described = quota_and_window(decision.limit)
-        binding = next((p for p in decision.details if p.identifier == decision.identifier), None)
+        binding = next(  # the binding pair: its identifier and its limit
+            (
+                p for p in decision.details
+                if p.identifier == decision.identifier and p.limit == decision.limit
+            ),
+            None,
+        )  # fmt: skip
         if described is not None and binding is not None:
             headers += [
                 ("X-RateLimit-Limit", str(described[0])),
