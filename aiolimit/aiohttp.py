@@ -197,6 +197,14 @@ async def _judge_first(
             await state.verdict.release()
 
 
+def _router_path(request: web.Request) -> str:
+    """The path aiohttp's router resolves: decoded, except ``%2F`` and ``%25`` (yarl's
+    ``path_safe``; the raw path where yarl is older)."""
+    url = request.rel_url
+    safe = getattr(url, "path_safe", None)
+    return safe if isinstance(safe, str) else url.raw_path
+
+
 def rate_limit_middleware(
     limiter: Limiter,
     *,
@@ -226,7 +234,9 @@ def rate_limit_middleware(
     @web.middleware
     async def aiolimit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         markers, is_exempt = _route_layers(request)
-        rule = None if is_exempt else table.match(request.path)
+        # The path as the router matches it: %2F stays encoded (it is no "/" to a route), so a
+        # request cannot look like another path to the table than to the router.
+        rule = None if is_exempt else table.match(_router_path(request))
         if rule is not None and exempt_request is not None and await _call(exempt_request, request):
             rule = None
         layers = [marker.layer for marker in markers]

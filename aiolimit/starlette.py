@@ -110,6 +110,18 @@ def _effective_path(scope: Scope, route: Any) -> Any:
     return getattr(route, "path", None)
 
 
+def _route_path(scope: Scope) -> str:
+    """The path as the app's routes see it: without the root path a server was given
+    (``uvicorn --root-path /api``; ASGI's ``path`` includes it), as ``routes=`` is written."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and isinstance(root, str) and path.startswith(root):
+        rest = path[len(root) :]
+        if not rest or rest.startswith("/"):
+            return rest or "/"
+    return path
+
+
 def _encode(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
     return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers]
 
@@ -129,15 +141,50 @@ def exempt(endpoint: E) -> E:
 
 
 def route_scope(request: Request) -> str:
-    """A route's own limits are kept per ``"<methods> <path template>"`` (``"GET /items/{id}"``)."""
+    """A route's own limits are kept per ``"<methods> <path template>"`` (``"GET /items/{id}"``),
+    the templates of the mounts it is under included (``"GET /t/{tenant}/report"``)."""
     route = request.scope.get("route")
     path = _effective_path(request.scope, route)
     if not isinstance(path, str):
         return request.url.path
     methods = getattr(route, "methods", None) or ()
     shown = sorted(m for m in methods if m != "HEAD") or sorted(methods)
-    where = request.scope.get("root_path", "") + path
+    where = _mount_templates(request.scope) + path
     return f"{','.join(shown)} {where}" if shown else where
+
+
+#: Where the middleware leaves, in the ASGI scope, the path templates of the mounts the
+#: request goes through (``"/t/{tenant}"``).
+MOUNTS_KEY = "aiolimit.mounts"
+
+
+def _mount_templates(scope: Scope) -> str:
+    """The app's root path and the templates of the mounts the request went through.
+
+    A mount's ``root_path`` holds the values its path matched (``/t/acme``): a route's own
+    limits kept per value would be a new budget, and a new rule, for every value a client
+    sends. The templates come from the middleware (``MOUNTS_KEY``), else from matching the
+    outermost router again; failing that, a mount with path parameters reads ``/{mount}``.
+    """
+    root = scope.get("root_path", "")
+    app_root = scope.get("app_root_path", root)
+    if not isinstance(root, str) or not isinstance(app_root, str) or root == app_root:
+        return root if isinstance(root, str) else ""
+    mounts = scope.get(MOUNTS_KEY)
+    if not isinstance(mounts, str):
+        routes = getattr(scope.get("router"), "routes", None)
+        found = match_route(routes, {**scope, "root_path": app_root}) if routes else None
+        mounts = found[2].get(MOUNTS_KEY) if found is not None else None
+        if isinstance(mounts, str):
+            scope[MOUNTS_KEY] = mounts
+    if isinstance(mounts, str):
+        return app_root + mounts
+    route = scope.get("route")
+    own = set(getattr(route, "param_convertors", None) or ())
+    params = scope.get("path_params") or {}
+    if any(name not in own for name in params):
+        return app_root + "/{mount}"  # (bounded: never a value a client chose)
+    return root
 
 
 def _walk_dependencies(dependant: Any, found: dict[int, RateLimit], depth: int = 0) -> None:
@@ -231,11 +278,12 @@ class _EffectiveRoute:
 
 
 def match_route(
-    routes: Sequence[Any], scope: Scope, depth: int = 0
+    routes: Sequence[Any], scope: Scope, depth: int = 0, mounts: str = ""
 ) -> tuple[Any, Any, Scope] | None:
     """The route the router will run, fully matched (through mounts and FastAPI's included
-    routers), its FastAPI context if any, and the scope it will see. None when no route
-    matches fully: a 404 or 405 is judged by the middleware's own limits alone."""
+    routers), its FastAPI context if any, and the scope it will see (with ``MOUNTS_KEY``: the
+    templates of the mounts on the way). None when no route matches fully: a 404 or 405 is
+    judged by the middleware's own limits alone."""
     for route in routes:
         if depth < 8 and _included(route) is not None:
             try:
@@ -246,8 +294,11 @@ def match_route(
                 continue
             merged = {**scope, **child}
             if inner is route or _included(inner) is not None:
-                return match_route([inner], merged, depth + 1) if inner is not route else None
+                if inner is route:
+                    return None
+                return match_route([inner], merged, depth + 1, mounts)
             merged["route"] = _EffectiveRoute(inner, context)
+            merged[MOUNTS_KEY] = mounts
             return inner, context, merged
         match, child = route.matches(scope)
         if match is not Match.FULL:
@@ -255,7 +306,10 @@ def match_route(
         merged = {**scope, **child, "route": route}
         inner_routes = getattr(route, "routes", None)
         if inner_routes is not None and not hasattr(route, "endpoint") and depth < 8:
-            return match_route(inner_routes, merged, depth + 1)
+            template = getattr(route, "path", "")
+            inner_mounts = mounts + (template if isinstance(template, str) else "")
+            return match_route(inner_routes, merged, depth + 1, inner_mounts)
+        merged[MOUNTS_KEY] = mounts
         return route, None, merged
     return None
 
@@ -327,6 +381,7 @@ class RateLimitMiddleware:
         found = match_route(routes, scope)
         if found is None:
             return (), False, scope
+        scope[MOUNTS_KEY] = found[2][MOUNTS_KEY]  # for the route's own limits' scope
         layers, is_exempt = route_limits(found[0], found[1])
         overrides = getattr(scope.get("app"), "dependency_overrides", None)
         if overrides and layers:  # an overridden RateLimit (tests often turn limits off so)
@@ -354,7 +409,7 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
         own, is_exempt, seen = self._route(scope)
-        rule = None if is_exempt else self._routes.match(scope["path"])
+        rule = None if is_exempt else self._routes.match(_route_path(scope))
         request = Request(seen, receive)
         if rule is not None and self._exempt is not None and await _call(self._exempt, request):
             rule = None

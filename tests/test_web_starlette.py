@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -37,11 +38,13 @@ from aiolimit.starlette import (
 
 
 @contextlib.asynccontextmanager
-async def serve(app: ASGIApp) -> AsyncIterator[httpx.AsyncClient]:
-    """Runs ``app`` on a free loopback port; yields an httpx client pointed at it."""
+async def serve(app: ASGIApp, **options: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """Runs ``app`` on a free loopback port (more uvicorn ``options`` may be given); yields an
+    httpx client pointed at it."""
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, log_level="critical", lifespan="off", proxy_headers=False
-    )
+        app, host="127.0.0.1", port=0, log_level="critical", lifespan="off", proxy_headers=False,
+        **options,
+    )  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
