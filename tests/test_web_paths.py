@@ -113,3 +113,38 @@ async def test_an_encoded_slash_does_not_reach_a_limited_aiohttp_route_as_exempt
             async with session.get(URL(f"{base}/static%2Fx{i}", encoded=True)) as response:
                 codes.append(response.status)
     assert codes == [200, 200, 200, 429, 429]
+
+
+@pytest.mark.parametrize("middleware", [False, True], ids=["dependency alone", "middleware"])
+async def test_a_routers_own_limit_and_its_routes_are_two_budgets(
+    make: Factory, middleware: bool
+) -> None:
+    """An APIRouter's own 100 an hour and one of its routes' own 2 an hour, neither named:
+    both apply to the route (each kept under a scope of its own), all or nothing. Before,
+    the second declaration's scope clashed with the first's and every request was a 500."""
+    from fastapi import APIRouter
+
+    limiter = make({"ip": [Limit(1000, per=3600, precision=60)]})
+    wide, tight = [Limit(100, per=3600, precision=60)], [Limit(2, per=3600, precision=60)]
+    router = APIRouter(prefix="/v1", dependencies=[Depends(RateLimit(limiter, wide))])
+
+    @router.get("/report", dependencies=[Depends(RateLimit(limiter, tight))])
+    async def report() -> dict[str, bool]:
+        return {"ok": True}
+
+    @router.get("/other")
+    async def other() -> dict[str, bool]:
+        return {"ok": True}
+
+    app = FastAPI()
+    app.include_router(router)
+    if middleware:
+        app.add_middleware(RateLimitMiddleware, limiter=limiter)
+    async with serve(app) as client:
+        codes = [(await client.get("/v1/report")).status_code for _ in range(3)]
+        assert (await client.get("/v1/other")).status_code == 200
+    assert codes == [200, 200, 429]
+    kinds = sorted(kind for kind in limiter._added_rules if kind.startswith("GET /v1/report"))
+    assert len(kinds) == 2 and kinds[0] == "GET /v1/report", kinds
+    assert (await limiter.peek(f"{kinds[0]}:ip:{IP}")).remaining == 98  # the refusal: nothing
+    assert (await limiter.peek(f"{kinds[1]}:ip:{IP}")).remaining == 0

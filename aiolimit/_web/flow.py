@@ -102,9 +102,13 @@ class OwnLimits:
     ``scope`` is ``name`` when given (routes naming the same scope share one budget), else the
     route's methods and path template, as the framework's ``route_scope`` finds them. Each
     scope becomes a rule of the limiter the first time it is seen (``Limiter.add_rule``).
+    Two unnamed declarations with different limits on one route (a router's and its route's)
+    are two budgets: the first judged keeps the plain scope, the other's scope is followed
+    by its limits (``"GET /v1/report 5/minute"``); the order is the route's own, the same in
+    every process.
     """
 
-    __slots__ = ("limits", "name", "route_scope", "seen")
+    __slots__ = ("kinds", "limits", "name", "route_scope")
 
     def __init__(
         self,
@@ -117,13 +121,23 @@ class OwnLimits:
         self.limits = check_limits("the route's limits", limits)
         self.name = None if name is None else escape_kind(name)
         self.route_scope = route_scope
-        self.seen: set[tuple[int, str]] = set()
+        self.kinds: dict[tuple[int, str], str] = {}  # (limiter, scope) -> its kind
 
     def kind_for(self, limiter: Limiter, request: Any) -> str:
-        kind = self.name if self.name is not None else escape_kind(self.route_scope(request))
-        if (id(limiter), kind) not in self.seen:
-            limiter.add_rule(kind, self.limits)
-            self.seen.add((id(limiter), kind))
+        scope = self.name if self.name is not None else escape_kind(self.route_scope(request))
+        kind = self.kinds.get((id(limiter), scope))
+        if kind is None:
+            kind = scope
+            try:
+                limiter.add_rule(kind, self.limits)
+            except ConfigurationError:
+                if self.name is not None:  # a name given twice with other limits: the user's
+                    raise
+                # Another declaration on this route took the plain scope with other limits.
+                text = ";".join(str(limit) for limit in self.limits)
+                kind = escape_kind(f"{scope} {text}")
+                limiter.add_rule(kind, self.limits)
+            self.kinds[(id(limiter), scope)] = kind
         return kind
 
 
