@@ -122,6 +122,15 @@ def _route_path(scope: Scope) -> str:
     return path
 
 
+def _inclusion(scope: Scope) -> Any:
+    """FastAPI's context of an included router's route (its inclusion's ``dependencies``),
+    or None: a route's declarations include those its inclusion adds."""
+    fastapi_scope = scope.get("fastapi")
+    if isinstance(fastapi_scope, dict):
+        return fastapi_scope.get("effective_route_context")
+    return None
+
+
 def _encode(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
     return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers]
 
@@ -598,7 +607,7 @@ class RateLimit:
             verdict = await state.add([self.layer], request)
             outer = True
         else:
-            own, _ = route_limits(scope.get("route"))
+            own, _ = route_limits(scope.get("route"), _inclusion(scope))
             mine = own if self in own else (self,)
             state = RequestLimits(mine, self._legacy)
             scope[SCOPE_KEY] = state

@@ -218,6 +218,40 @@ async def test_several_dependencies_without_middleware_are_one_decision(
     assert await left(limiter, "user:cy") == 97
 
 
+@pytest.mark.parametrize(
+    "shape", ["route twice", "route + app", "route + router", "route + include_router"]
+)
+async def test_guards_of_one_route_from_several_levels_charge_once_without_middleware(
+    limiter_factory: Factory, shape: str
+) -> None:
+    """Two ``RateLimit(limiter)`` guards on the same identifier, one of them declared on the
+    app, a router, or an include_router(dependencies=...): one decision, charged once, and
+    both described by the response's one set of fields. (With an inclusion's guard, the route
+    was judged twice: 98 left, and a header saying 99.)"""
+    from fastapi import APIRouter
+
+    limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
+    first, second = RateLimit(limiter), RateLimit(limiter)
+
+    async def x() -> dict[str, str]:
+        return {}
+
+    app = FastAPI(dependencies=[Depends(first)] if shape == "route + app" else None)
+    if shape in ("route twice", "route + app"):
+        guards = [Depends(first), Depends(second)] if shape == "route twice" else [Depends(second)]
+        app.get("/p/x", dependencies=guards)(x)
+    else:
+        router = APIRouter(dependencies=[Depends(first)] if shape == "route + router" else None)
+        router.get("/x", dependencies=[Depends(second)])(x)
+        inclusion = [Depends(first)] if shape == "route + include_router" else None
+        app.include_router(router, prefix="/p", dependencies=inclusion)
+    async with serve(app) as client:
+        response = await client.get("/p/x")
+    assert response.status_code == 200
+    assert remaining(response) == {"ip-100-per-60s": 99}
+    assert await left(limiter, f"ip:{IP}") == 99
+
+
 async def test_layers_on_two_limiters_give_back_when_the_inner_refuses(
     limiter_factory: Factory,
 ) -> None:
