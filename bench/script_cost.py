@@ -20,6 +20,9 @@ Scenarios, each on fresh identifiers, times from the server's TIME:
   identifiers each), so a batch rarely touches one key twice;
 - ``many 1x1 spread, no op``: the same without op ids: what the exactly-once ledger (reading,
   recording and storing the op) costs is the difference (the limiter always sends one);
+- ``fleet of 64``: single acquires on one identifier from 64 clients in turn (64 limiter
+  processes sharing a busy identifier: its hash holds 64 op ledgers), to compare with
+  ``acquire+op`` (one client);
 - ``floor``: what any script of this kind pays, with no logic at all: one FCALL that reads
   TIME, HGETALLs a small hash, HSETs 3 fields of it and returns 7 integers.
 
@@ -44,7 +47,7 @@ from aiolimit._stores.resp import command_head, pack_many
 
 SCENARIOS = (
     "check", "acquire+op", "acquire+16 open", "2x3+op", "many 1x1", "many 1x1 spread",
-    "many 1x1 spread, no op", "many 2x3",
+    "many 1x1 spread, no op", "many 2x3", "fleet of 64",
 )  # fmt: skip
 FLOOR = """#!lua name=cost_floor
 redis.register_function('cost_floor', function(keys, args)
@@ -98,6 +101,9 @@ def program(scenario: str, run: int, count: int) -> list[Call]:
             calls.append(encode(Mode.ACQUIRE, plans, 1, None, 0, f"c{run}:{i}:"))
         elif scenario == "many 1x1 spread, no op":
             calls.append(encode(Mode.ACQUIRE, one._rules.plans(f"ip:{who}"), 1, None, 0))
+        elif scenario == "fleet of 64":  # client c<k> sends its (i // 64)-th op
+            op = f"c{run}x{i % 64}:{i // 64 + 1}:"
+            calls.append(encode(Mode.ACQUIRE, one._rules.plans(f"ip:{who}"), 1, None, 0, op))
         elif scenario == "acquire+16 open":
             opened = ",".join(str(stamp) for stamp in range(max(1, i - 16), i))
             plans = one._rules.plans(f"ip:{who}")
