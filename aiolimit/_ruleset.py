@@ -135,12 +135,17 @@ class RuleSet:
     @classmethod
     def from_text(cls, text: str, format: str = "toml") -> RuleSet:
         if format == "json":
+            duplicated: list[_Duplicated] = []
             try:
-                data = json.loads(text)
+                data = json.loads(
+                    text, object_pairs_hook=lambda pairs: _json_object(pairs, duplicated)
+                )
             except json.JSONDecodeError as exc:
                 raise RulesError(
                     f"line {exc.lineno}, column {exc.colno}", f"not valid JSON: {exc.msg}"
                 ) from exc
+            if duplicated:  # json keeps the last of a key given twice; TOML refuses it: so do we
+                _refuse_duplicate("", data)
         elif format == "toml":
             try:
                 data = tomllib.loads(text)
@@ -449,6 +454,43 @@ def _within(address: object, network: IPNetwork) -> bool:
     if isinstance(address, (ipaddress.IPv4Network, ipaddress.IPv6Network)):
         return address.version == network.version and address.subnet_of(network)  # type: ignore[arg-type]
     return address in network
+
+
+# -- JSON objects with a key given twice ------------------------------------------------------
+
+
+class _Duplicated(dict[str, Any]):
+    """A JSON object that had ``duplicate`` twice (``json`` would keep the last silently)."""
+
+    duplicate: str = ""
+
+
+def _json_object(pairs: list[tuple[str, Any]], duplicated: list[_Duplicated]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) == len(pairs):
+        return data
+    seen: set[str] = set()
+    marked = _Duplicated(data)
+    for key, _ in pairs:
+        if key in seen:
+            marked.duplicate = key
+            break
+        seen.add(key)
+    duplicated.append(marked)
+    return marked
+
+
+def _refuse_duplicate(where: str, value: object) -> None:
+    """Raises at the first object (outermost, in document order) that had a key twice."""
+    if isinstance(value, dict):
+        if isinstance(value, _Duplicated):
+            at = _key(value.duplicate)
+            raise RulesError(f"{where}.{at}" if where else at, "given twice in one object")
+        for key, item in value.items():
+            _refuse_duplicate(f"{where}.{_key(key)}" if where else _key(key), item)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_duplicate(f"{where}[{index}]", item)
 
 
 # -- small checks ----------------------------------------------------------------------------

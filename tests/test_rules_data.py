@@ -101,6 +101,21 @@ def test_toml_and_json_read_to_the_same_rules() -> None:
         ('kinds = {ip = "1/s"}\nextra = 1', "toml", "extra", "unknown key"),
         ('{"kinds": {"ip": "1/s"},\n "deny": [1]}', "json", "deny[0]", "non-empty text"),
         ('{"kinds": {"ip": "1/s"},\n "deny": [}', "json", "line 2", "not valid JSON"),
+        # JSON keeps the last of a duplicated key; TOML refuses it, and so does the JSON form.
+        ('{"kinds": {"ip": "10/second", "ip": "100000/second"}}', "json", "kinds.ip", "twice"),
+        ('{"kinds": {"ip": "1/s"}, "kinds": {"ip": "9/s"}}', "json", "kinds", "twice"),
+        (
+            '{"kinds": {"ip": "1/s"}, "overrides": {"user:1": {"scale": 2, "scale": 3}}}',
+            "json",
+            'overrides."user:1".scale',
+            "twice",
+        ),
+        (
+            '{"kinds": {"u": [{"type": "window", "amount": 1, "per": 1, "amount": 9}]}}',
+            "json",
+            "kinds.u[0].amount",
+            "twice",
+        ),
         ("[kinds\nip = 1", "toml", "", "line 1"),
         ('kinds = {ip = "1/s"}\ndeny = ["ip:10.0.0.0/33"]', "toml", "deny[0]", "valid network"),
         (
