@@ -18,8 +18,15 @@ from aiolimit._validation import check_int
 
 #: The largest Concurrency max (one sorted-set entry per unit in flight; see Concurrency).
 MAX_CONCURRENCY = 1_000
+#: The largest SlidingLog amount (one sorted-set entry per admitted request).
+MAX_LOG_AMOUNT = 1_000_000
 # GCRA compares values scaled by the rate; (burst + weight) * period must stay exact in a double.
 _EXACT = 2**52
+
+
+def max_exact_burst(period_us: int) -> int:
+    """The largest TokenBucket burst whose sums stay exact with a period of ``period_us``."""
+    return (_EXACT // 2 - 1) // period_us  # 2 * burst * period < _EXACT
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +79,9 @@ class SlidingLog(BaseLimit):
 
     def __post_init__(self) -> None:
         _check_amount("SlidingLog", self.amount)
-        if self.amount > 1_000_000:
+        if self.amount > MAX_LOG_AMOUNT:
             raise ConfigurationError(
-                f"SlidingLog stores up to one entry per unit: amount must be <= 1000000, "
+                f"SlidingLog stores up to one entry per unit: amount must be <= {MAX_LOG_AMOUNT}, "
                 f"got {self.amount} (use Limit with a precision for large amounts)"
             )
         per = _check_seconds("SlidingLog", "per", self.per)
@@ -116,7 +123,7 @@ class TokenBucket(BaseLimit):
         burst = self.rate if self.burst is None else self.burst
         _check_amount("TokenBucket burst", burst)
         period = _us(per)
-        if 2 * burst * period >= _EXACT:
+        if burst > max_exact_burst(period):
             raise ConfigurationError(
                 f"TokenBucket burst x per is too large to be exact: burst={burst}, per={per}s "
                 f"(keep burst * per below {_EXACT // 2 // 1_000_000} unit-seconds)"

@@ -44,9 +44,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from aiolimit._algorithms import Concurrency, FixedWindow, MinInterval, SlidingLog, TokenBucket
+from aiolimit._algorithms import (
+    MAX_CONCURRENCY,
+    MAX_LOG_AMOUNT,
+    Concurrency,
+    FixedWindow,
+    MinInterval,
+    SlidingLog,
+    TokenBucket,
+    max_exact_burst,
+)
 from aiolimit._errors import ConfigurationError
-from aiolimit._limits import BaseLimit, Limit, parse_limits
+from aiolimit._limits import MAX_PERIOD, MIN_PERIOD, BaseLimit, Limit, parse_limits
+from aiolimit._validation import MAX_AMOUNT
 
 SCHEMA_VERSION = 1
 LIMIT_TYPES: dict[str, type[BaseLimit]] = {
@@ -204,6 +214,7 @@ class RuleSet:
             where = f"overrides.{_key(identifier)}"
             override = _override(where, spec)
             _place(where, identifier, override, exact, networks, kinds)
+            _check_scale(where, str(identifier).partition(":")[0], override, kinds)
             canonical_overrides[identifier] = override_table(override)
         for name, marker in (("allow", ALLOW), ("deny", DENY)):
             entries = data.get(name, [])
@@ -331,21 +342,59 @@ def limit_table(limit: BaseLimit) -> dict[str, Any]:
     raise RulesError("", f"cannot write {limit!r} as a rules table")
 
 
-def scale_limit(limit: BaseLimit, factor: float) -> BaseLimit:
-    """The limit with ``factor`` times its capacity (at least 1 of anything)."""
+def scale_limit(limit: BaseLimit, factor: float, *, strict: bool = False) -> BaseLimit:
+    """The limit with ``factor`` times its capacity (at least 1 of anything).
 
-    def times(amount: int) -> int:
-        return max(1, min(2**40, math.floor(amount * factor)))
+    A scaled limit its type cannot hold (a Concurrency max over 1,000, a MinInterval under
+    1 ms, an amount over 1e12, ...) raises ``ConfigurationError`` when ``strict``: a document
+    is checked that way as a whole, so such a ``scale`` is refused before it is ever used.
+    Otherwise (deciding, where nothing may raise) it is clamped to the nearest limit the type
+    allows, the bound it overshot: for a scale up, less than asked, never more than the type
+    can enforce.
+    """
 
-    if isinstance(limit, (Limit, FixedWindow, SlidingLog)):
-        return replace(limit, amount=times(limit.amount))
+    def times(amount: int, most: int) -> int:
+        wanted = max(1, math.floor(amount * factor))
+        return wanted if strict else min(wanted, most)
+
+    if isinstance(limit, (Limit, FixedWindow)):
+        return replace(limit, amount=times(limit.amount, MAX_AMOUNT))
+    if isinstance(limit, SlidingLog):
+        return replace(limit, amount=times(limit.amount, MAX_LOG_AMOUNT))
     if isinstance(limit, TokenBucket):
-        return replace(limit, rate=times(limit.rate), burst=times(limit.amount))
+        burst = max_exact_burst(limit.wire[2])
+        return replace(
+            limit,
+            rate=times(limit.rate, MAX_AMOUNT),
+            burst=times(limit.amount, min(MAX_AMOUNT, burst)),
+        )
     if isinstance(limit, MinInterval):
-        return replace(limit, seconds=limit.seconds / factor)
+        seconds = limit.seconds / factor
+        if not strict:
+            seconds = min(max(seconds, MIN_PERIOD), MAX_PERIOD)
+        return replace(limit, seconds=seconds)
     if isinstance(limit, Concurrency):
-        return replace(limit, max=times(limit.max))
-    raise RulesError("", f"cannot scale {limit!r}")
+        return replace(limit, max=times(limit.max, MAX_CONCURRENCY))
+    if strict:
+        raise RulesError("", f"cannot scale {limit!r}")
+    return limit
+
+
+def _check_scale(
+    where: str, kind: str, override: Override, kinds: Mapping[str, tuple[BaseLimit, ...]]
+) -> None:
+    """Refuses a ``scale`` that makes limits of ``kind`` (or of ``"*"``) their type cannot hold."""
+    limits = kinds.get(kind, kinds.get("*"))
+    if override.scale is None or limits is None:
+        return
+    for limit in limits:
+        try:
+            scale_limit(limit, override.scale, strict=True)
+        except ConfigurationError as exc:
+            rule = kind if kind in kinds else "*"
+            raise RulesError(
+                f"{where}.scale", f"scaling kinds.{_key(rule)} by {override.scale:g}: {exc}"
+            ) from exc
 
 
 # -- overrides -------------------------------------------------------------------------------

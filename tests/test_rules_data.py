@@ -11,17 +11,23 @@ import math
 from collections.abc import AsyncIterator
 
 import pytest
+import redis.asyncio as redis_asyncio
 
 import aiolimit._limiter as _limiter_module
 from aiolimit import (
+    Concurrency,
+    FixedWindow,
     Limit,
     Limiter,
+    MinInterval,
     RateLimited,
     RulesError,
     RuleSet,
     SlidingLog,
     TokenBucket,
 )
+from aiolimit._follow import rules_keys
+from aiolimit._ruleset import scale_limit
 
 TOML = """
 shadow = false
@@ -131,6 +137,99 @@ def test_errors_name_the_key_at_fault(text: str, fmt: str, where: str, says: str
         RuleSet.from_text(text, fmt)
     assert caught.value.where.startswith(where) if where else True
     assert says in str(caught.value)
+
+
+USER_KINDS = {"user": ["100/minute", {"type": "concurrency", "max": 200}]}
+
+
+@pytest.mark.parametrize(
+    ("kinds", "override", "says"),
+    [
+        (USER_KINDS, {"user:42": {"scale": 10}}, "Concurrency max must be an int in 1..1000"),
+        (
+            {"user": [{"type": "sliding_log", "amount": 200_000, "per": 60}]},
+            {"user:42": {"scale": 10}},
+            "SlidingLog stores up to one entry per unit",
+        ),
+        (
+            {"user": [{"type": "min_interval", "seconds": 0.005}]},
+            {"user:42": {"scale": 10}},
+            "MinInterval seconds must be between",
+        ),
+        (
+            {"user": [{"type": "min_interval", "seconds": 1e8}]},
+            {"user:42": {"scale": 0.1}},
+            "MinInterval seconds must be between",
+        ),
+        ({"user": "100000000000/day"}, {"user:42": {"scale": 100}}, "Limit amount must be"),
+        (
+            {"user": [{"type": "fixed_window", "amount": 10**11, "per": 60}]},
+            {"user:42": {"scale": 11}},
+            "FixedWindow amount must be",
+        ),
+        (
+            {"user": [{"type": "token_bucket", "rate": 1, "per": 3600, "burst": 100_000}]},
+            {"user:42": {"scale": 10}},
+            "TokenBucket burst x per is too large",
+        ),
+        # No rule of its own kind: scaled from "*".
+        ({"*": [{"type": "concurrency", "max": 500}]}, {"user:42": {"scale": 3}}, "1..1000"),
+    ],
+)
+def test_a_scale_whose_limits_cannot_be_built_refuses_the_document(
+    kinds: dict[str, object], override: dict[str, object], says: str
+) -> None:
+    with pytest.raises(RulesError) as caught:
+        RuleSet.from_mapping({"kinds": kinds, "overrides": override})
+    assert caught.value.where == 'overrides."user:42".scale'
+    assert says in str(caught.value)
+
+
+def test_a_network_scale_whose_limits_cannot_be_built_refuses_the_document() -> None:
+    with pytest.raises(RulesError) as caught:
+        RuleSet.from_text(
+            'kinds = { ip = [{ type = "concurrency", max = 10 }] }\n'
+            '[overrides]\n"ip:10.0.0.0/8" = { scale = 1000 }'
+        )
+    assert caught.value.where == 'overrides."ip:10.0.0.0/8".scale'
+    assert "Concurrency max" in str(caught.value)
+
+
+def test_scaling_at_decision_time_clamps_to_what_the_type_can_hold() -> None:
+    """Defence in depth (a document is checked first): the nearest limit the type allows."""
+    assert scale_limit(Concurrency(200), 10) == Concurrency(1000)
+    assert scale_limit(SlidingLog(200_000, per=60), 10) == SlidingLog(1_000_000, per=60)
+    assert scale_limit(MinInterval(0.005), 10) == MinInterval(0.001)
+    assert scale_limit(MinInterval(1e8), 0.1).seconds == 10 * 366 * 86400
+    assert scale_limit(Limit(10**11, per=60), 100) == Limit(10**12, per=60)
+    assert scale_limit(FixedWindow(10**11, per=60), 100) == FixedWindow(10**12, per=60)
+    bucket = scale_limit(TokenBucket(1, per=3600, burst=100_000), 10)
+    assert isinstance(bucket, TokenBucket) and bucket.rate == 10
+    assert 2 * bucket.amount * 3600 * 10**6 < 2**52 <= 2 * (bucket.amount + 1) * 3600 * 10**6
+    assert scale_limit(Limit(10, per=60), 0.01) == Limit(1, per=60)  # at least 1 of anything
+    assert scale_limit(Concurrency(10, lease_ttl=5), 2.5) == Concurrency(25, lease_ttl=5)
+
+
+async def test_a_stored_override_that_cannot_be_scaled_never_makes_decisions_raise(
+    redis_url: str, prefix: str
+) -> None:
+    """An override in Redis that no push checked against the kind (written by hand, or the
+    kind's limits changed since): decisions use the clamped limits and never raise."""
+    rules = RuleSet.from_mapping({"kinds": USER_KINDS, "overrides": {"user:1": {"scale": 2}}})
+    raw = redis_asyncio.Redis.from_url(redis_url)
+    async with Limiter(redis_url, {"user": "5/minute"}, prefix=prefix, follow_rules=True) as fleet:
+        try:
+            assert await fleet.push_rules(rules)
+            await raw.hset(rules_keys(prefix).overrides, "user:42", '{"scale":10}')
+            decision = await fleet.try_acquire("user:42")
+            assert decision.allowed and decision.lease is not None
+            assert {pair.limit for pair in decision.details} == {
+                Limit(1000, per=60),
+                Concurrency(1000),
+            }
+            await decision.lease.release()
+        finally:
+            await raw.aclose()
 
 
 @pytest.fixture
