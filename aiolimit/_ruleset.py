@@ -28,12 +28,14 @@ type's fields: ``window`` (``Limit``: amount, per, precision), ``fixed_window`` 
 (seconds), ``concurrency`` (max, lease_ttl). Errors name the key that is wrong
 (``kinds.user.limits[1].rate``) and, for syntax, the line.
 
-Precedence for one identifier: deny, then allow / exempt, then its exact override, then the
-most specific network override, then its kind's rule, then ``"*"``.
+Precedence for one identifier: a deny (its own or any network's holding it), then allow /
+exempt (likewise), then its exact override, then the most specific network override, then its
+kind's rule, then ``"*"``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import json
@@ -223,7 +225,8 @@ class RuleSet:
             for index, identifier in enumerate(entries):
                 where = f"{name}[{index}]"
                 _place(where, identifier, marker, exact, networks, kinds)
-        # Most specific first; on one network a deny wins over an allow, which wins over the rest.
+        # Most specific first (the network override that applies when neither a deny nor an
+        # allow / exempt holds the identifier: those win from any network, see override_for).
         networks.sort(key=lambda item: (-item[1].prefixlen, not item[2].deny, not item[2].exempt))
         canonical = {
             "version": SCHEMA_VERSION,
@@ -254,18 +257,37 @@ class RuleSet:
     # -- deciding ---------------------------------------------------------------------------
 
     def override_for(self, identifier: str) -> Override | None:
-        """The exact override, else the most specific network one (None: the kind's rule)."""
-        found = self.exact.get(identifier)
-        if found is not None or not self.networks:
-            return found
+        """The override that decides ``identifier`` (None: its kind's rule decides).
+
+        A deny wins (the identifier's own, or of any network holding it, however wide), then
+        an allow / exempt (likewise), then the identifier's exact override, then the most
+        specific network's override.
+        """
+        own = self.exact.get(identifier)
+        if (own is not None and own.deny) or not self.networks:
+            return own
         kind, _, value = identifier.partition(":")
-        address = _address(value)
-        if address is None:
-            return None
+        address: object = None
+        special: Override | None = None  # the strongest deny / exempt of a network holding it
+        nearest: Override | None = None  # the most specific other network override holding it
         for net_kind, network, override in self.networks:
-            if net_kind == kind and _within(address, network):
+            if net_kind != kind:
+                continue
+            if address is None:
+                address = _address(value)
+                if address is None:
+                    return own
+            if not _within(address, network):
+                continue
+            if override.deny:
                 return override
-        return None
+            if override.exempt:
+                special = special or override
+            elif nearest is None:
+                nearest = override
+        if own is not None and own.exempt:
+            return own
+        return special or own or nearest
 
 
 # -- limits ----------------------------------------------------------------------------------
@@ -490,6 +512,7 @@ def _network(value: str) -> IPNetwork | None:
         return None
 
 
+@functools.lru_cache(maxsize=4096)  # the same identifiers come again and again
 def _address(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | IPNetwork | None:
     if "/" in value:
         return _network(value)
