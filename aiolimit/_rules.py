@@ -110,10 +110,12 @@ class Rules:
         )
 
     def override_for(self, identifier: str) -> Override | None:
-        found = None if self.ruleset is None else self.ruleset.override_for(identifier)
-        if found is None and self.remote is not None:
-            found = self.remote.cached(identifier)
-        return found
+        # A followed document keeps its exact overrides in Redis: the one found there is this
+        # identifier's exact override, under the same precedence as one in a file.
+        remote = None if self.remote is None else self.remote.cached(identifier)
+        if self.ruleset is None:
+            return remote
+        return self.ruleset.override_for(identifier, remote)
 
     def plan_for(self, identifier: str) -> IdentifierPlan:
         """The identifier's plan under these rules, its override included."""

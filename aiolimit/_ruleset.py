@@ -256,14 +256,17 @@ class RuleSet:
 
     # -- deciding ---------------------------------------------------------------------------
 
-    def override_for(self, identifier: str) -> Override | None:
+    def override_for(self, identifier: str, exact: Override | None = None) -> Override | None:
         """The override that decides ``identifier`` (None: its kind's rule decides).
 
         A deny wins (the identifier's own, or of any network holding it, however wide), then
         an allow / exempt (likewise), then the identifier's exact override, then the most
-        specific network's override.
+        specific network's override. ``exact`` is an exact override kept elsewhere (the Redis
+        hash of a followed document), weighed as one of ``self.exact`` would be.
         """
         own = self.exact.get(identifier)
+        if exact is not None and (own is None or _strength(exact) > _strength(own)):
+            own = exact
         if (own is not None and own.deny) or not self.networks:
             return own
         kind, _, value = identifier.partition(":")
@@ -288,6 +291,10 @@ class RuleSet:
         if own is not None and own.exempt:
             return own
         return special or own or nearest
+
+
+def _strength(override: Override) -> int:
+    return 2 if override.deny else 1 if override.exempt else 0
 
 
 # -- limits ----------------------------------------------------------------------------------

@@ -41,6 +41,10 @@ CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
         {"overrides": {"ip:10.0.0.0/8": {"exempt": True}, A: {"limits": "1/hour"}}},
         ["exempt"] * 4,
     ),
+    "exact exempt > network override": (
+        {"overrides": {"ip:10.0.0.0/8": {"scale": 2}, A: {"exempt": True}}},
+        ["exempt"] * 4,
+    ),
     "network allow > more specific network override": (
         {"allow": ["ip:10.0.0.0/8"], "overrides": {"ip:10.1.0.0/16": {"limits": "1/hour"}}},
         ["exempt"] * 4,
@@ -82,10 +86,16 @@ def test_the_rule_that_decides_follows_the_documented_precedence(case: str) -> N
 
 
 @pytest.mark.parametrize("case", list(CASES))
-async def test_decisions_follow_the_documented_precedence(
+async def test_a_file_and_the_followed_document_decide_alike(
     case: str, redis_url: str, prefix: str
 ) -> None:
     document, expected = CASES[case]
     rules = RuleSet.from_mapping({"kinds": KINDS, **document})
     async with Limiter(redis_url, rules, prefix=f"{prefix}-file") as local:
         assert await outcomes(local, A, len(expected)) == expected
+    # Followed: the exact overrides are in a Redis hash, the rest in the document.
+    async with Limiter(
+        redis_url, {"ip": "100/minute"}, prefix=f"{prefix}-redis", follow_rules=True
+    ) as fleet:
+        assert await fleet.push_rules(rules)
+        assert await outcomes(fleet, A, len(expected)) == expected
