@@ -79,6 +79,8 @@ _FIELDS: dict[str, tuple[str, ...]] = {
 }
 TOP_KEYS = ("version", "shadow", "kinds", "overrides", "allow", "deny")
 OVERRIDE_KEYS = ("limits", "scale", "exempt", "shadow")
+#: The kind the web integrations key clients by (``keys={"ip": CLIENT_IP}``).
+IP_KIND = "ip"
 MAX_SCALE = 1_000_000.0
 
 
@@ -212,19 +214,31 @@ class RuleSet:
             raise RulesError(
                 "overrides", f"a table of identifier -> override, got {_kind(raw_overrides)}"
             )
-        for identifier, spec in raw_overrides.items():
-            where = f"overrides.{_key(identifier)}"
+        written: dict[str, str] = {}  # identifier (see _identifier) -> as the document wrote it
+        for raw_identifier, spec in raw_overrides.items():
+            where = f"overrides.{_key(raw_identifier)}"
             override = _override(where, spec)
-            _place(where, identifier, override, exact, networks, kinds)
-            _check_scale(where, str(identifier).partition(":")[0], override, kinds)
+            identifier = _identifier(where, raw_identifier)
+            if identifier in written:
+                raise RulesError(
+                    where,
+                    f"the same as {written[identifier]!r} (both are {identifier!r}); keep one",
+                )
+            written[identifier] = raw_identifier
+            _place(where, identifier, override, exact, networks)
+            _check_scale(where, identifier.partition(":")[0], override, kinds)
             canonical_overrides[identifier] = override_table(override)
+        listed: dict[str, set[str]] = {}
         for name, marker in (("allow", ALLOW), ("deny", DENY)):
             entries = data.get(name, [])
             if not isinstance(entries, list):
                 raise RulesError(name, f"a list of identifiers, got {_kind(entries)}")
-            for index, identifier in enumerate(entries):
+            listed[name] = set()
+            for index, raw_identifier in enumerate(entries):
                 where = f"{name}[{index}]"
-                _place(where, identifier, marker, exact, networks, kinds)
+                identifier = _identifier(where, raw_identifier)
+                _place(where, identifier, marker, exact, networks)
+                listed[name].add(identifier)
         # Most specific first (the network override that applies when neither a deny nor an
         # allow / exempt holds the identifier: those win from any network, see override_for).
         networks.sort(key=lambda item: (-item[1].prefixlen, not item[2].deny, not item[2].exempt))
@@ -233,8 +247,8 @@ class RuleSet:
             "shadow": shadow,
             "kinds": canonical_kinds,
             "overrides": canonical_overrides,
-            "allow": sorted(map(str, data.get("allow", []))),
-            "deny": sorted(map(str, data.get("deny", []))),
+            "allow": sorted(listed["allow"]),
+            "deny": sorted(listed["deny"]),
         }
         document = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
         return cls(
@@ -478,16 +492,34 @@ def override_from_json(text: str | bytes) -> Override:
     return _override("override", json.loads(text))
 
 
+def _identifier(where: str, identifier: object) -> str:
+    """The identifier as the document means it: of the ``ip`` kind, as the web layer names
+    clients (``_web/client_ip.py``): an address in its compressed lowercase form, an
+    IPv4-mapped IPv6 address (or network) as the IPv4 one, a network by its own address
+    (``ip:2001:DB8:1:2::5/64`` is the client ``ip:2001:db8:1:2::/64``). Other kinds are the
+    application's own: kept as written."""
+    if not isinstance(identifier, str) or not identifier:
+        raise RulesError(where, f"an identifier is non-empty text, got {identifier!r}")
+    kind, sep, value = identifier.partition(":")
+    if kind != IP_KIND or not sep:
+        return identifier
+    found = _address(value)
+    if isinstance(found, ipaddress.IPv6Network):
+        mapped = found.network_address.ipv4_mapped
+        if mapped is not None and found.prefixlen >= 96:
+            found = ipaddress.IPv4Network((mapped, found.prefixlen - 96))
+    elif isinstance(found, ipaddress.IPv6Address) and found.ipv4_mapped is not None:
+        found = found.ipv4_mapped
+    return identifier if found is None else f"{kind}:{found}"
+
+
 def _place(
     where: str,
-    identifier: object,
+    identifier: str,
     override: Override,
     exact: dict[str, Override],
     networks: list[tuple[str, IPNetwork, Override]],
-    kinds: Mapping[str, object],
 ) -> None:
-    if not isinstance(identifier, str) or not identifier:
-        raise RulesError(where, f"an identifier is non-empty text, got {identifier!r}")
     kind, sep, value = identifier.partition(":")
     network = _network(value) if sep and "/" in value else None
     address, slash, bits = value.partition("/")
