@@ -14,7 +14,8 @@ identifier can have: identifiers escape ``%``):
 A push (``publish``) writes the overrides to a staging hash, then one script swaps the
 overrides in, sets the document and publishes, atomically (``lua/publish_rules.lua``).
 
-A following limiter (``RulesFollower``) reads the document before its first decision, then
+A following limiter (``RulesFollower``) reads the document before its first decision (every
+decision waits for that read; see ``Limiter._follow`` for when it cannot be made), then
 re-reads it on every notification and every ``interval`` seconds (the fallback when a
 notification is lost: a reconnect, a cluster failover). So a push is in force everywhere
 within ``interval`` plus one round trip, and usually within a few milliseconds. A document
@@ -175,6 +176,12 @@ class FollowerStatistics:
     version_refused: str | None = None
 
 
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A first read nobody waits for any more: its failure is not an unhandled error."""
+    if not task.cancelled():
+        task.exception()
+
+
 class RulesFollower:
     """Keeps a limiter's rules equal to the document in Redis (see the module docstring)."""
 
@@ -186,49 +193,63 @@ class RulesFollower:
         *,
         interval: float,
         cache_size: int,
+        timeout: float,
     ) -> None:
         self.store = store
         self.keys = rules_keys(prefix)
         self._apply = apply  # apply(RuleSet | None): the limiter's set_rules
         self.interval = interval
         self.cache_size = cache_size
+        #: Seconds a read of the document may take before it is abandoned.
+        self.timeout = timeout
         self.statistics = FollowerStatistics()
         self._override_kinds: frozenset[str] = frozenset()
         self._cache: collections.OrderedDict[str, Override | None] = collections.OrderedDict()
         self._epoch = 0
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
-        self._started = False
+        self._first: asyncio.Task[None] | None = None
+        #: The document was read once: decisions may go on under the rules in force.
+        self._ready = False
 
     # -- the rules ----------------------------------------------------------------------
 
-    async def start(self, budget: float) -> None:
-        """Starts following, and waits at most ``budget`` seconds for a first read (so the
-        first decision uses the document). A store that does not answer in time is left to
-        the background tasks: decisions never wait for it longer than that, once."""
-        if self._started:
-            return
-        self._started = True
-        self._tasks = [
-            asyncio.create_task(self._listen(), name="aiolimit-rules-listen"),
-            asyncio.create_task(self._poll(), name="aiolimit-rules-poll"),
-        ]
-        try:
-            async with asyncio.timeout(budget):
-                await self.refresh()
-        except (BackendError, TimeoutError) as exc:
-            logger.warning(
-                "aiolimit rules: no first read of the rules document (%s); the limiter's own "
-                "rules decide until it comes", str(exc) or "no answer in time",
-            )  # fmt: skip
+    def start(self) -> None:
+        """Starts the listener and the poll (once)."""
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(self._listen(), name="aiolimit-rules-listen"),
+                asyncio.create_task(self._poll(), name="aiolimit-rules-poll"),
+            ]
+
+    async def first_read(self, budget: float) -> None:
+        """Starts following (once), and waits at most ``budget`` seconds for the first read
+        of the document to succeed. Every caller waits for the same read: no decision is
+        made under rules that were not read. ``BackendError`` or ``TimeoutError`` when it
+        does not come in time; the next caller waits for it again (a new read if that one
+        failed)."""
+        self.start()
+        task = self._first
+        if task is None or task.done():
+            task = self._first = asyncio.create_task(
+                self.refresh(), name="aiolimit-rules-first-read"
+            )
+            task.add_done_callback(_retrieve)
+        async with asyncio.timeout(budget):
+            await asyncio.shield(task)
 
     async def refresh(self) -> None:
-        async with self._lock:
-            await self._refresh_locked()
+        """Reads the document and applies it; abandoned after ``timeout`` seconds (a
+        connection that stopped answering must not hold the lock, and so every later read,
+        for good)."""
+        async with asyncio.timeout(self.timeout):
+            async with self._lock:
+                await self._refresh_locked()
 
     async def _refresh_locked(self) -> None:
         stats = self.statistics
         raw = await self.store.command("GET", self.keys.doc)
+        self._ready = True  # read: the document, or none, or an invalid one (rejected)
         if raw is None:
             if stats.version is not None:
                 self._install(None, None, frozenset())
@@ -276,7 +297,10 @@ class RulesFollower:
             try:
                 async for _ in self.store.subscribe(self.keys.channel):
                     self.statistics.notifications += 1
-                    await self.refresh()
+                    try:
+                        await self.refresh()
+                    except (BackendError, TimeoutError) as exc:  # the poll reads again
+                        logger.debug("aiolimit rules: a re-read failed: %s", exc or "timeout")
             except BackendError as exc:
                 logger.debug("aiolimit rules: subscription lost (%s); polling meanwhile", exc)
             except Exception:  # never let following die; polling goes on
@@ -287,8 +311,7 @@ class RulesFollower:
         while True:
             await asyncio.sleep(self.interval)
             try:
-                async with asyncio.timeout(max(self.interval, 1.0)):
-                    await self.refresh()
+                await self.refresh()
             except TimeoutError:
                 logger.debug("aiolimit rules: poll timed out")
             except BackendError as exc:
@@ -303,8 +326,9 @@ class RulesFollower:
         return found if isinstance(found, Override) else None
 
     @property
-    def started(self) -> bool:
-        return self._started
+    def ready(self) -> bool:
+        """True once the document was read (the first decision waits for it)."""
+        return self._ready
 
     def missing(self, ids: Iterable[str]) -> list[str]:
         """The call's identifiers of kinds with overrides that are not cached (the cached
@@ -343,6 +367,8 @@ class RulesFollower:
 
     async def aclose(self) -> None:
         tasks, self._tasks = self._tasks, []
+        if self._first is not None and not self._first.done():
+            tasks.append(self._first)
         for task in tasks:
             task.cancel()
         if tasks:

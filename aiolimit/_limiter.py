@@ -20,6 +20,7 @@ from aiolimit._clock import Clock
 from aiolimit._decision import Decision
 from aiolimit._errors import (
     BackendError,
+    BackendUnavailable,
     ConfigurationError,
     RateLimited,
     UsageError,
@@ -45,8 +46,6 @@ LEASE_POLL_MIN = 0.01
 LEASE_POLL_MAX = 0.25
 #: A cached refusal yields to the event loop once in this many decisions.
 CACHED_YIELD_EVERY = 16
-#: How long a decision may wait for the rules in Redis when the limiter has no deadline.
-FOLLOW_TIMEOUT = 1.0
 #: The refusal cache holds at most this many identifiers (refusal_cache_size).
 MAX_CACHE = 10_000_000
 
@@ -179,6 +178,9 @@ class Limiter:
             metrics.bind(self)
         # follow_rules (aiolimit._follow): the rules document in Redis under this prefix
         # replaces `limits` while it exists, in every process, within rules_interval seconds.
+        # Each read of it (and a decision's wait for the first) takes at most a decision's
+        # deadline, or without one the socket timeout.
+        self._follow_budget: float = self._failure.deadline_seconds or socket_timeout
         self._follower: RulesFollower | None = None
         if check_bool("follow_rules", follow_rules):
             if not self._store.loop_bound or self._store.address.startswith("memory"):
@@ -192,6 +194,7 @@ class Limiter:
                 interval=check_optional_seconds("rules_interval", rules_interval, 0.01, 3600)
                 or 1.0,
                 cache_size=check_int("override_cache_size", override_cache_size, 1, MAX_CACHE),
+                timeout=self._follow_budget,
             )
             self._rules.remote = self._follower
             self._rules_special = True
@@ -315,31 +318,64 @@ class Limiter:
         Under a ``Concurrency`` limit an admitted decision carries a ``lease`` to release.
         """
         if self._follower is not None:
-            await self._follow(ids)
+            unread = await self._follow(ids)
+            if unread is not None:
+                return self._unread(unread)
         plans = self._rules.plans(ids)
         weight = check_weight(weight, plans)
         if self._metrics is None and not self._rules_special:
             return await self._try_store(plans, weight, 0)  # (``_try``'s common path)
         return await self._try(plans, weight, 0)
 
-    async def _follow(self, ids: Identifiers) -> None:
-        """Rules from Redis: read before the first decision; overrides looked up on demand."""
+    async def _follow(self, ids: Identifiers) -> BackendError | None:
+        """Rules from Redis: read before the first decision; overrides looked up on demand.
+
+        Every decision waits for the first read of the document (concurrent ones wait for
+        the same read), at most the limiter's deadline (without one, ``socket_timeout``).
+        When the read fails or does not come in time, or the breaker is open, the error
+        is returned: the caller answers as the failure policy says (``on_error``), as if
+        the decision itself had failed, and the next decision waits for a read again.
+        Once read, a failed override lookup does not stop the decision: the rules in force
+        and the cached overrides decide (the decision itself meets the failure policy).
+        """
         follower = self._follower
         assert follower is not None
         self._check_usable()
-        # Never longer than a decision may take, and not at all while the breaker is open:
-        # the decision itself meets the failure policy; meanwhile the rules in force (or
-        # the limiter's own) and the cached overrides decide.
-        budget = self._failure.deadline_seconds or FOLLOW_TIMEOUT
-        try:
-            if not follower.started:
-                await follower.start(budget)
-            wanted = follower.missing((ids,) if isinstance(ids, str) else ids)
-            if wanted and self._failure.breaker.state != "open":
+        budget = self._follow_budget
+        if not follower.ready:
+            breaker = self._failure.breaker
+            if breaker.state == "open" and breaker.retry_after() > 0:
+                return BackendUnavailable("circuit breaker open: the rules were not read")
+            try:
+                await follower.first_read(budget)
+            except BackendError as exc:
+                return exc
+            except TimeoutError:
+                return BackendUnavailable(
+                    f"{self._store.address}: no answer within {budget:g} s to the first read "
+                    "of the rules document"
+                )
+        wanted = follower.missing((ids,) if isinstance(ids, str) else ids)
+        if wanted and self._failure.breaker.state != "open":
+            try:
                 async with asyncio.timeout(budget):
                     await follower.fetch(wanted)
-        except (BackendError, TimeoutError):
-            pass
+            except (BackendError, TimeoutError):
+                pass
+        return None
+
+    def _unread(self, error: BackendError, *, count: bool = True) -> Decision:
+        """The failure policy's answer to a decision made before the rules could be read
+        (raises under ``on_error="raise"``); counted as a decision that failed."""
+        counts = self._counts
+        counts["errors"] += 1
+        decision = self._failure.failed(error)
+        if count:
+            counts["decisions"] += 1
+            counts["allowed" if decision.allowed else "refused"] += 1
+            if self._metrics is not None:
+                self._metrics.record(decision, 0.0, "*")
+        return decision
 
     async def _try(self, plans: list[IdentifierPlan], weight: int, max_wait_us: int) -> Decision:
         metrics = self._metrics
@@ -466,12 +502,22 @@ class Limiter:
         if timeout == math.inf:
             timeout = None  # as long as it takes
         timeout = check_optional_seconds("timeout", timeout, 0, MAX_SECONDS)
-        if self._follower is not None:
-            await self._follow(ids)
-        plans = self._rules.plans(ids)
-        weight = check_weight(weight, plans)
         clock = self.clock
         deadline = None if timeout is None else clock.monotonic() + timeout
+        while self._follower is not None:
+            unread = await self._follow(ids)
+            if unread is None:
+                break
+            failed = self._unread(unread)
+            if failed.allowed:
+                return failed  # on_error="open"
+            # on_error="closed": refused for now; tried again as a refusal would be.
+            if deadline is not None and clock.monotonic() + failed.retry_after > deadline:
+                raise RateLimited(failed)
+            self._counts["waits"] += 1
+            await clock.sleep(failed.retry_after + clock.sleep_margin)
+        plans = self._rules.plans(ids)
+        weight = check_weight(weight, plans)
         # When every limit is a GCRA bucket, a waiter reserves its turn (charged now, admitted
         # after the delay): waiters are served in arrival order with one call each, instead
         # of all waking at once and retrying.
@@ -597,7 +643,9 @@ class Limiter:
         (Before 0.2, ``remaining`` was what would be left after ``weight``.)
         """
         if self._follower is not None:
-            await self._follow(ids)
+            unread = await self._follow(ids)
+            if unread is not None:
+                return self._unread(unread, count=False)
         plans = self._rules.plans(ids)
         weight = check_weight(weight, plans)
         if self._rules_special:
