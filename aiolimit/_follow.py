@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import json
 import logging
 import secrets
@@ -124,6 +125,18 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def fingerprint(raw: bytes | str) -> str:
+    """What ``publish(expect=...)`` takes for a stored document that cannot be parsed (its
+    version cannot be trusted): the SHA-1 of its bytes, as the script computes it."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    return "sha1:" + hashlib.sha1(data, usedforsecurity=False).hexdigest()
+
+
+async def read_raw_document(store: Store, prefix: str) -> bytes | None:
+    raw = await store.command("GET", rules_keys(prefix).doc)
+    return raw.encode() if isinstance(raw, str) else raw
+
+
 async def read_document(store: Store, prefix: str) -> Document | None:
     raw = await store.command("GET", rules_keys(prefix).doc)
     return None if raw is None else parse_document(raw)
@@ -148,7 +161,8 @@ async def read_overrides(store: Store, prefix: str) -> dict[str, str]:
 
 async def publish(store: Store, prefix: str, ruleset: RuleSet, *, expect: str = "*") -> bool:
     """Publishes ``ruleset`` to every following process; False (nothing written) when
-    ``expect`` is a version ("" for none) and the stored document is no longer that one."""
+    ``expect`` is a version ("" for none, ``fingerprint(raw)`` for a document that could not
+    be read) and the stored document is no longer that one."""
     keys = rules_keys(prefix)
     document, exact = split(ruleset)
     staging = keys.staging()

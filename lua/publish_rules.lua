@@ -8,8 +8,9 @@
 -- ARGV[2]  "1" when the staging hash holds the new overrides, "0" when there are none
 -- ARGV[3]  the channel every limiter process listens on
 -- ARGV[4]  the message: the new document's version
--- ARGV[5]  the version the pusher saw before (its diff's base; "" for no document), or "*" to
---          replace whatever is there
+-- ARGV[5]  the version the pusher saw before (its diff's base; "" for no document), or
+--          "sha1:<hex>" for a document it could not read (the SHA-1 of its bytes: replacing
+--          an invalid document is compared and set too), or "*" to replace whatever is there
 -- Reply: 1 when published; 0 when the document changed since the pusher read it (nothing
 -- is written then, and the staging hash is dropped).
 --
@@ -18,7 +19,9 @@
 local current = redis.call('GET', KEYS[1])
 if ARGV[5] ~= '*' then
   local seen = ''
-  if current then
+  if current and string.sub(ARGV[5], 1, 5) == 'sha1:' then
+    seen = 'sha1:' .. redis.sha1hex(current)
+  elseif current then
     local ok, doc = pcall(cjson.decode, current)
     if ok and type(doc) == 'table' and type(doc.version) == 'string' then seen = doc.version end
   end
