@@ -11,7 +11,9 @@
 
 The server comes from ``--url`` or ``AIOLIMIT_URL`` (default ``redis://127.0.0.1:6379/0``,
 ``redis+cluster://`` for a cluster), the key prefix from ``--prefix`` or ``AIOLIMIT_PREFIX``
-(default ``aiolimit``). ``--json`` prints one JSON document on stdout instead of tables.
+(default ``aiolimit``). ``--json`` prints one JSON document on stdout instead of tables, on
+every path (an error is ``{"error": ..., "exit_code": n}``). ``--timeout`` (default 5 s) bounds
+the wait for any one answer of the server.
 
 Exit codes: 0 done; 1 invalid input (rules that do not validate, an identifier without
 limits, no rules document); 2 wrong usage; 3 the server cannot be reached or failed;
@@ -42,12 +44,23 @@ except ImportError as exc:  # pragma: no cover - depends on what is installed
     ) from exc
 
 from aiolimit._errors import AiolimitError, BackendError, ConfigurationError, InvalidRequestError
-from aiolimit._follow import Document, publish, read_document, read_overrides, split
+from aiolimit._follow import (
+    Document,
+    fingerprint,
+    parse_document,
+    publish,
+    read_document,
+    read_overrides,
+    read_raw_document,
+    split,
+)
 from aiolimit._limiter import Limiter
 from aiolimit._ruleset import RulesError, RuleSet
 
 OK, INVALID, USAGE, UNREACHABLE, NOT_DONE = 0, 1, 2, 3, 4
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
+#: Seconds to wait for any one answer of the server before giving up with exit 3.
+DEFAULT_TIMEOUT = 5.0
 
 app = typer.Typer(
     name="aiolimit",
@@ -68,6 +81,7 @@ class Settings:
     url: str = DEFAULT_URL
     prefix: str = "aiolimit"
     json: bool = False
+    timeout: float = DEFAULT_TIMEOUT
 
 
 settings = Settings()
@@ -84,16 +98,28 @@ def options(
     json_output: Annotated[
         bool, typer.Option("--json", help="One JSON document on stdout instead of tables.")
     ] = False,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            envvar="AIOLIMIT_TIMEOUT",
+            min=0.01,
+            max=300,
+            help="Seconds to wait for any one answer of the server (then exit 3).",
+        ),
+    ] = DEFAULT_TIMEOUT,
 ) -> None:
     settings.url, settings.prefix, settings.json = url, prefix, json_output
+    settings.timeout = timeout
 
 
 # -- plumbing ------------------------------------------------------------------------------
 
 
-def fail(code: int, message: str) -> NoReturn:
+def fail(code: int, message: str, **fields: Any) -> NoReturn:
+    """Ends the command with ``code``: with ``--json``, one document (``fields`` and the
+    error) on stdout, and nothing else is printed there."""
     if settings.json:
-        print(json.dumps({"error": message, "exit_code": code}))
+        emit({**fields, "error": message, "exit_code": code})
     else:
         err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
     raise typer.Exit(code)
@@ -107,6 +133,8 @@ def run(work: Callable[[], Awaitable[T]]) -> T:
         fail(INVALID, str(exc))
     except BackendError as exc:
         fail(UNREACHABLE, f"{settings.url}: {exc}")
+    except TimeoutError:
+        fail(UNREACHABLE, f"{settings.url}: no answer within {settings.timeout:g} s")
     except ConfigurationError as exc:
         fail(INVALID, str(exc))
     except AiolimitError as exc:  # pragma: no cover - any other library error
@@ -118,12 +146,26 @@ async def _bounded(work: Callable[[], Awaitable[T]]) -> T:
 
 
 def open_limiter(rules: RuleSet | None = None, **options: Any) -> Limiter:
-    """A limiter on the configured server; the rules document there wins over ``rules``."""
+    """A limiter on the configured server; the rules document there wins over ``rules``.
+
+    No per-decision deadline but a socket timeout: every read and write of every command
+    (the rules document, a push's staging, a reset's UNLINK) gives up after ``--timeout``
+    seconds, so a server that stopped answering ends the command with exit 3.
+    """
     fallback = rules if rules is not None else {"*": "1/second"}
     return Limiter(
-        settings.url, fallback, prefix=settings.prefix, follow_rules=True, deadline=5.0,
-        rules_interval=3600, **options,
+        settings.url, fallback, prefix=settings.prefix, follow_rules=True, deadline=None,
+        socket_timeout=settings.timeout, rules_interval=3600, **options,
     )  # fmt: skip
+
+
+def load_rules(load: Callable[[], RuleSet], what: str = "") -> RuleSet:
+    """Rules from an option or a file; ones that do not validate are exit 1."""
+    try:
+        return load()
+    except RulesError as exc:
+        text = str(exc)
+        fail(INVALID, text if not what or text.startswith(what) else f"{what}: {text}")
 
 
 def emit(document: Any) -> None:
@@ -166,9 +208,9 @@ def inspect(
     """Every (identifier, limit) pair's state now: remaining, reset, TTL and memory."""
     fallback = None
     if rules_file is not None:
-        fallback = RuleSet.from_file(rules_file)
+        fallback = load_rules(lambda: RuleSet.from_file(rules_file), str(rules_file))
     elif limits is not None:
-        fallback = RuleSet.from_mapping({"kinds": {"*": limits}})
+        fallback = load_rules(lambda: RuleSet.from_mapping({"kinds": {"*": limits}}), "--limits")
 
     async def work() -> list[dict[str, Any]]:
         async with open_limiter(fallback) as limiter:
@@ -287,10 +329,7 @@ def rules_check(
     file: Annotated[Path, typer.Argument(help="A .toml or .json rules file.")],
 ) -> None:
     """Validates a rules file (exit 1 and the key at fault when it is not valid)."""
-    try:
-        rules = RuleSet.from_file(file)
-    except RulesError as exc:
-        fail(INVALID, f"{file}: {exc}")
+    rules = load_rules(lambda: RuleSet.from_file(file), str(file))
     if settings.json:
         emit({"valid": True, **describe(rules)})
     else:
@@ -345,19 +384,26 @@ def rules_push(
     try:
         rules = RuleSet.from_file(file)
     except RulesError as exc:
-        fail(INVALID, f"{file}: {exc} (nothing was pushed)")
+        text = str(exc) if str(exc).startswith(str(file)) else f"{file}: {exc}"
+        fail(INVALID, f"{text} (nothing was pushed)")
 
-    async def current() -> tuple[Document | None, dict[str, str]]:
+    async def current() -> tuple[bytes | None, Document | None, dict[str, str]]:
         async with open_limiter() as limiter:
+            raw = await read_raw_document(limiter.store, settings.prefix)
             try:
-                document = await read_document(limiter.store, settings.prefix)
+                document = None if raw is None else parse_document(raw)
             except RulesError:
-                document = None  # an invalid document is replaced like a missing one
+                return raw, None, {}  # invalid (e.g. a newer format): replaced as a whole
             overrides = await read_overrides(limiter.store, settings.prefix) if document else {}
-            return document, overrides
+            return raw, document, overrides
 
-    document, overrides = run(current)
+    raw, document, overrides = run(current)
     before = rules_lines(stored_rules(document, overrides))
+    if raw is not None and document is None:
+        try:
+            parse_document(raw)
+        except RulesError as exc:
+            before = [f"invalid document in Redis (replaced as a whole): {exc}"]
     diff = list(
         difflib.unified_diff(before, rules_lines(rules), "in Redis", str(file), lineterm="", n=1)
     )
@@ -374,10 +420,16 @@ def rules_push(
         if len(diff) > 400:
             out.print(f"... {len(diff) - 400} more diff lines")
     if not confirmed("Publish these rules to every limiter?", yes):
-        if settings.json:
-            emit({"pushed": False, "diff": diff})
-        fail(NOT_DONE, "not confirmed (pass --yes when not at a terminal); nothing was pushed")
-    expect = "" if document is None else document.version
+        fail(NOT_DONE, "not confirmed (pass --yes when not at a terminal); nothing was pushed",
+             pushed=False, diff=diff)  # fmt: skip
+    # The compare-and-set names what the diff was made against: its version, none, or the
+    # bytes of a document that could not be read (its version cannot be trusted).
+    if raw is None:
+        expect = ""
+    elif document is None:
+        expect = fingerprint(raw)
+    else:
+        expect = document.version
 
     async def push() -> bool:
         async with open_limiter() as limiter:
@@ -437,13 +489,15 @@ def bench(
 
     Keys go under ``<prefix>:bench:<random>`` and are deleted at the end.
     """
-    rules = RuleSet.from_mapping({"kinds": {"*": limits}})
+    rules = load_rules(lambda: RuleSet.from_mapping({"kinds": {"*": limits}}), "--limits")
     prefix = f"{settings.prefix}:bench:{secrets.token_hex(4)}"
 
     async def work() -> dict[str, Any]:
         latencies: list[float] = []
         counts = {"allowed": 0, "refused": 0, "errors": 0}
-        async with Limiter(settings.url, rules, prefix=prefix, deadline=5.0) as limiter:
+        async with Limiter(
+            settings.url, rules, prefix=prefix, deadline=None, socket_timeout=settings.timeout
+        ) as limiter:
             await limiter.peek("bench:0")  # connect first: a dead server fails here, at once
             started = time.perf_counter()
             deadline = started + seconds
