@@ -22,7 +22,9 @@ Instruments (OpenTelemetry names; Prometheus replaces the dots by ``_``, counter
 ``outcome`` is ``allowed``, ``refused``, ``denied`` (deny list), ``degraded_allowed`` or
 ``degraded_refused`` (the store failed and ``on_error`` decided). ``kind`` is the binding
 pair's identifier kind as the rules name it (a kind without a rule of its own counts as
-``*``, so a client cannot create label values), ``limit`` the binding limit (``100/1m``).
+``*``, so a client cannot create label values), ``limit`` the binding limit: ``100/1m`` for a
+sliding window, the algorithm and its parameters for the others (``100/1m sliding_log``,
+``10/1s token_bucket burst 50``, ``min_interval 2s``, ``concurrency 5 lease 1m``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from aiolimit._algorithms import Concurrency, FixedWindow, MinInterval, SlidingLog, TokenBucket
 from aiolimit._decision import Decision
 from aiolimit._errors import ConfigurationError
+from aiolimit._limits import BaseLimit, Limit
 
 if TYPE_CHECKING:
     from aiolimit._limiter import Limiter
@@ -57,7 +61,28 @@ def _limit_text(decision: Decision) -> str:
     limit = decision.limit
     if limit is None:
         return "none"
-    return f"{limit.amount}/{_seconds(limit.per)}"
+    return limit_label(limit)
+
+
+def limit_label(limit: BaseLimit) -> str:
+    """The ``limit`` label: distinct for every distinct limit (algorithm and parameters),
+    short for the common sliding window (``100/1m``)."""
+    if isinstance(limit, Limit):
+        text = f"{limit.amount}/{_seconds(limit.per)}"
+        if limit.precision is not None and limit.precision != limit.per:
+            text += f" precision {_seconds(limit.precision)}"
+        return text
+    if isinstance(limit, FixedWindow):
+        return f"{limit.amount}/{_seconds(limit.per)} fixed_window"
+    if isinstance(limit, SlidingLog):
+        return f"{limit.amount}/{_seconds(limit.per)} sliding_log"
+    if isinstance(limit, TokenBucket):
+        return f"{limit.rate}/{_seconds(limit.per)} token_bucket burst {limit.amount}"
+    if isinstance(limit, MinInterval):
+        return f"min_interval {_seconds(limit.seconds)}"
+    if isinstance(limit, Concurrency):
+        return f"concurrency {limit.max} lease {_seconds(limit.lease_ttl)}"
+    return str(limit)  # pragma: no cover - every limit type aiolimit ships is named above
 
 
 def _seconds(per: float) -> str:
@@ -75,6 +100,9 @@ class Metrics:
         # Counted here, read when the exporter collects: a dict increment per decision
         # instead of a synchronous instrument call (measured: ~5 µs each on the OTel SDK).
         self._labels: dict[tuple[str, str, Any], list[Any]] = {}
+        # Series by label text: limits that print alike (if any) share one series, never
+        # two samples with one label set.
+        self._series: dict[tuple[str, str, str], list[Any]] = {}
         self._shadow_counts: dict[str, int] = {}
 
     def bind(self, limiter: Limiter) -> None:
@@ -97,7 +125,11 @@ class Metrics:
                 limit = "other" if key[2] is None and decision.limit is not None else (
                     _limit_text(decision)
                 )  # fmt: skip
-                entry = [0, {"kind": kind, "outcome": key[1], "limit": limit}, {"outcome": key[1]}]
+                entry = self._series.get((kind, key[1], limit))
+                if entry is None:
+                    entry = [0, {"kind": kind, "outcome": key[1], "limit": limit},
+                             {"outcome": key[1]}]  # fmt: skip
+                    self._series[(kind, key[1], limit)] = entry
                 self._labels[key] = entry
         entry[0] += 1
         self.observe(seconds, entry[2])
@@ -108,7 +140,7 @@ class Metrics:
         """The decision's duration (the exporters' histograms)."""
 
     def decision_counts(self) -> list[tuple[int, dict[str, str]]]:
-        return [(entry[0], entry[1]) for entry in list(self._labels.values())]
+        return [(entry[0], entry[1]) for entry in list(self._series.values())]
 
     def shadow_counts(self) -> list[tuple[int, dict[str, str]]]:
         return [(count, {"kind": kind}) for kind, count in list(self._shadow_counts.items())]
