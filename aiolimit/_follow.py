@@ -359,8 +359,12 @@ class RulesFollower:
                 wanted.append(identifier)
         return wanted
 
-    async def fetch(self, wanted: list[str]) -> None:
-        """Looks ``wanted`` up in the overrides hash (one HMGET) and caches the answers."""
+    async def fetch(self, wanted: list[str], keep: int = 0) -> None:
+        """Looks ``wanted`` up in the overrides hash (one HMGET) and caches the answers.
+
+        The cache keeps at least ``keep`` entries (the calling decision's identifiers, the
+        most recently used): one call with more identifiers than ``cache_size`` must not
+        evict its own overrides before its plans are built."""
         cache = self._cache
         epoch = self._epoch
         values = await self.store.command("HMGET", self.keys.overrides, *wanted)
@@ -376,7 +380,7 @@ class RulesFollower:
                     logger.error("aiolimit rules: ignoring an invalid override for %r: %s",
                                  identifier, exc)  # fmt: skip
             cache[identifier] = override
-        while len(cache) > self.cache_size:
+        while len(cache) > max(self.cache_size, keep):
             cache.popitem(last=False)
 
     async def aclose(self) -> None:

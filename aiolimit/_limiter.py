@@ -22,6 +22,7 @@ from aiolimit._errors import (
     BackendError,
     BackendUnavailable,
     ConfigurationError,
+    InvalidRequestError,
     RateLimited,
     UsageError,
 )
@@ -226,8 +227,11 @@ class Limiter:
             raise ConfigurationError(f"push_rules takes a RuleSet, got {rules!r}")
         self._check_usable()
         pushed = await publish(self._store, self._rules.prefix, rules, expect=expect)
-        if pushed and self._follower is not None:
-            await self._follower.refresh()
+        follower = self._follower
+        if follower is not None:
+            follower.start()  # following from now on, whether a decision was made here or not
+            if pushed:
+                await follower.refresh()
         return pushed
 
     @property
@@ -327,7 +331,7 @@ class Limiter:
             return await self._try_store(plans, weight, 0)  # (``_try``'s common path)
         return await self._try(plans, weight, 0)
 
-    async def _follow(self, ids: Identifiers) -> BackendError | None:
+    async def _follow(self, ids: Identifiers, *, strict: bool = False) -> BackendError | None:
         """Rules from Redis: read before the first decision; overrides looked up on demand.
 
         Every decision waits for the first read of the document (concurrent ones wait for
@@ -336,7 +340,8 @@ class Limiter:
         is returned: the caller answers as the failure policy says (``on_error``), as if
         the decision itself had failed, and the next decision waits for a read again.
         Once read, a failed override lookup does not stop the decision: the rules in force
-        and the cached overrides decide (the decision itself meets the failure policy).
+        and the cached overrides decide (the decision itself meets the failure policy);
+        ``strict`` (refund, reset: they must not act on other keys) returns its error too.
         """
         follower = self._follower
         assert follower is not None
@@ -355,13 +360,22 @@ class Limiter:
                     f"{self._store.address}: no answer within {budget:g} s to the first read "
                     "of the rules document"
                 )
-        wanted = follower.missing((ids,) if isinstance(ids, str) else ids)
-        if wanted and self._failure.breaker.state != "open":
+        ids = (ids,) if isinstance(ids, str) else ids
+        wanted = follower.missing(ids)
+        if wanted and (strict or self._failure.breaker.state != "open"):
             try:
                 async with asyncio.timeout(budget):
-                    await follower.fetch(wanted)
-            except (BackendError, TimeoutError):
-                pass
+                    # The call's own identifiers stay cached until its plans are built.
+                    await follower.fetch(wanted, keep=len(ids))
+            except BackendError as exc:
+                if strict:
+                    return exc
+            except TimeoutError:
+                if strict:
+                    return BackendUnavailable(
+                        f"{self._store.address}: no answer within {budget:g} s to an override "
+                        "lookup"
+                    )
         return None
 
     def _unread(self, error: BackendError, *, count: bool = True) -> Decision:
@@ -658,7 +672,12 @@ class Limiter:
         return await self._decide(PEEK, plans, weight)
 
     async def refund(self, ids: Identifiers, weight: int = 1) -> Decision:
-        """Gives ``weight`` back on every pair (newest charges first, never below zero)."""
+        """Gives ``weight`` back on every pair (newest charges first, never below zero), under
+        the rules in force (following the rules in Redis: the identifier's override too)."""
+        if self._follower is not None:
+            unread = await self._follow(ids, strict=True)
+            if unread is not None:
+                raise unread
         plans = self._rules.plans(ids)
         weight = check_weight(weight, [])
         self._check_usable()
@@ -678,7 +697,13 @@ class Limiter:
         return self._rules.plans(identifier)[0].keys
 
     async def reset(self, ids: Identifiers) -> None:
-        """Forgets everything stored for these identifiers."""
+        """Forgets everything stored for these identifiers: their keys under the rules in
+        force (following the rules in Redis: the identifier's override, looked up if need
+        be), and under the rules the limiter was made with."""
+        if self._follower is not None:
+            unread = await self._follow(ids, strict=True)
+            if unread is not None:
+                raise unread
         plans = self._rules.plans(ids)
         self._check_usable()
         refusals = self._refusals
@@ -686,10 +711,21 @@ class Limiter:
             refusals.forget(plan.identifier for plan in plans)
         try:
             for plan in plans:
-                await self._store.delete(plan.keys)
+                await self._store.delete(self._every_key(plan))
         finally:
             if refusals is not None:
                 refusals.forget(plan.identifier for plan in plans)
+
+    def _every_key(self, plan: IdentifierPlan) -> list[str]:
+        """The plan's keys, and those the identifier has under the limiter's own rules (the
+        rules in Redis may have replaced them since it was charged)."""
+        keys = dict.fromkeys(plan.keys)
+        if self._initial_rules is not self._rules:
+            try:
+                keys.update(dict.fromkeys(self._initial_rules.plan_for(plan.identifier).keys))
+            except InvalidRequestError:  # no rule of its kind there
+                pass
+        return list(keys)
 
     def statistics(self) -> LimiterStatistics:
         protocol = self._protocol.statistics

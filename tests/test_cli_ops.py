@@ -114,6 +114,26 @@ async def test_replacing_an_invalid_document_still_compares_and_sets(
         assert await publish(limiter.store, prefix, rules, expect=seen)
 
 
+# -- reset ---------------------------------------------------------------------------------
+
+
+async def test_reset_forgets_state_under_the_pushed_rules(
+    tmp_path: Path, redis_url: str, prefix: str
+) -> None:
+    path = tmp_path / "log.toml"
+    path.write_text(LOG_RULES, encoding="utf-8")
+    assert cli("rules", "push", str(path), "--yes", url=redis_url, prefix=prefix).returncode == 0
+    async with Limiter(redis_url, {"user": "1/hour"}, prefix=prefix, follow_rules=True) as limiter:
+        assert [(await limiter.try_acquire("user:42")).allowed for _ in range(3)] == [
+            True,
+            True,
+            False,
+        ]
+    assert cli("reset", "user:42", "--yes", url=redis_url, prefix=prefix).returncode == 0
+    shown = one_json_document(cli("--json", "inspect", "user:42", url=redis_url, prefix=prefix))
+    assert [pair["remaining"] for pair in shown["identifiers"][0]["pairs"]] == [2]
+
+
 # -- a server that does not answer ---------------------------------------------------------
 
 COMMANDS = [
