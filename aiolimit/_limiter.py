@@ -350,7 +350,7 @@ class Limiter:
         if not follower.ready:
             breaker = self._failure.breaker
             if breaker.state == "open" and breaker.retry_after() > 0:
-                return BackendUnavailable("circuit breaker open: the rules were not read")
+                return _BreakerOpen("circuit breaker open: the rules were not read")
             try:
                 await follower.first_read(budget)
             except BackendError as exc:
@@ -366,7 +366,8 @@ class Limiter:
             try:
                 async with asyncio.timeout(budget):
                     # The call's own identifiers stay cached until its plans are built.
-                    await follower.fetch(wanted, keep=len(ids))
+                    keep = len(ids) if isinstance(ids, (list, tuple, set, frozenset)) else 0
+                    await follower.fetch(wanted, keep=keep)
             except BackendError as exc:
                 if strict:
                     return exc
@@ -382,8 +383,11 @@ class Limiter:
         """The failure policy's answer to a decision made before the rules could be read
         (raises under ``on_error="raise"``); counted as a decision that failed."""
         counts = self._counts
-        counts["errors"] += 1
-        decision = self._failure.failed(error)
+        if isinstance(error, _BreakerOpen):
+            decision = self._failure.short_circuit()  # the store was not asked
+        else:
+            counts["errors"] += 1
+            decision = self._failure.failed(error)
         if count:
             counts["decisions"] += 1
             counts["allowed" if decision.allowed else "refused"] += 1
@@ -768,6 +772,10 @@ class Limiter:
 
     def __repr__(self) -> str:
         return f"Limiter({self._store.address!r}, {self._rules.by_kind!r}, clock={self.clock!r})"
+
+
+class _BreakerOpen(BackendUnavailable):
+    """The rules were not read because the breaker is open (the store was not asked)."""
 
 
 #: Shadow refusals are logged at most once per this many seconds (with their count).

@@ -109,3 +109,24 @@ async def test_a_hung_re_read_is_abandoned_and_following_goes_on(
     finally:
         hang.set()
         await proxy.aclose()
+
+
+async def test_no_first_read_while_the_breaker_is_open(
+    fresh_standalone: Standalone, prefix: str
+) -> None:
+    """Once the breaker opened, decisions do not wait for a read they would not get."""
+    fresh_standalone.pause()
+    limiter = Limiter(
+        fresh_standalone.url, {"user": "1000/hour"}, prefix=prefix, follow_rules=True,
+        deadline=0.2, on_error="closed", failure_threshold=1, recovery_time=30,
+    )  # fmt: skip
+    try:
+        assert (await limiter.try_acquire("user:a")).degraded  # waited for the read: opened
+        started = time.monotonic()
+        decision = await limiter.try_acquire("user:a")
+        assert decision.degraded and not decision.allowed
+        assert time.monotonic() - started < 0.05
+        assert limiter.statistics().breaker.state == "open"
+    finally:
+        fresh_standalone.resume()
+        await limiter.aclose()
