@@ -107,7 +107,16 @@ local function fetch(s, names, first, last)
   if first_fetch then
     s.fetched = true
     s.t = tonumber(fields['t']) or 0
-    s.existed = fields['t'] ~= false  -- every write of a main key sets "t" (flush)
+    -- Every write of a main key sets "t" (flush), so without it the key is new, or was
+    -- edited by hand: then any field tells (a refund must record its op where it credits).
+    local existed = fields['t'] ~= false
+    if not existed then
+      for j = 1, m do
+        if fields[FETCH[j]] then existed = true end
+      end
+      existed = existed or redis.call('EXISTS', s.key) == 1
+    end
+    s.existed = existed
   end
 end
 

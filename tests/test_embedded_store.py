@@ -377,6 +377,10 @@ COMMANDS = {
     "hash argument errors": """
         HSET {a} f v g; HSET {a} f; HDEL {a}; HGETALL {a} {b}; HGETALL {a}
     """,
+    "exists": """
+        EXISTS {a}; HSET {a} f v; EXISTS {a}; EXISTS {a} {a} {b}; SET {b} s; EXISTS {a} {b};
+        HDEL {a} f; EXISTS {a} {b}; EXISTS
+    """,
     "hmget": """
         HSET {a} f1 v1 f2 v2; HMGET {a} f1; HMGET {a} f2 zz f1 f1; HMGET {b} f1 f2;
         HMGET {a}; HMGET; HDEL {a} f1; HMGET {a} f1 f2; SET {b} s; HMGET {b} f1

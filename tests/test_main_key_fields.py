@@ -117,14 +117,27 @@ def test_fields_are_fetched_once_and_staged_writes_win(
 
 
 @pytest.mark.parametrize("engine", ["redis", "embedded"])
-def test_a_key_without_t_reads_as_new(real: redis.Redis, prefix: str, engine: str) -> None:
-    """A main key that does not exist reads as new: existed false, time 0, fields absent."""
+@pytest.mark.parametrize(
+    "held", [(), ("zz", "1"), ("o:other", "1;0;")], ids=["none", "fetched", "other"]
+)
+def test_a_key_without_t_exists_if_it_holds_anything(
+    real: redis.Redis, prefix: str, engine: str, held: tuple[str, ...]
+) -> None:
+    """A main key without "t" (every write sets it: a new key, or one edited by hand) exists
+    if it holds any field, fetched or not (a refund records its op only in a key that exists:
+    one that credits and does not record would credit again when resent); time 0."""
     source = (lua_dir() / "prelude.lua").read_text(encoding="utf-8") + FIELD_ACCESS
     key = f"{prefix}:{{nothing}}"
-    expected = [0, 0, "(nil)", "(nil)", "(nil)", "new", "(nil)", "d deleted"]
+    zz = held[1] if held and held[0] == "zz" else "(nil)"
+    expected = [1 if held else 0, 0, "(nil)", zz, "(nil)", "new", "(nil)", "d deleted"]
     if engine == "redis":
-        reply = real.eval(source, 1, key, "a")
-        assert real.exists(key) == 0  # (staged writes are flushed by decide.lua, not here)
+        if held:
+            real.hset(key, held[0], held[1])
+        reply = real.eval(source, 1, key, "a", "zz")
+        assert real.exists(key) == (1 if held else 0)  # (staged writes are flushed elsewhere)
     else:
-        reply = EmbeddedStore().eval(source, [key], ["a"])
+        store = EmbeddedStore()
+        if held:
+            store.eval("redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])", [key], list(held))
+        reply = store.eval(source, [key], ["a", "zz"])
     assert [item.decode() if isinstance(item, bytes) else item for item in reply] == expected

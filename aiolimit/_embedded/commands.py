@@ -115,6 +115,11 @@ def _hgetall(ks: Keyspace, args: Sequence[bytes]) -> Reply:
     return [item for pair in ks.get_hash(args[1]).items() for item in pair]
 
 
+def _exists(ks: Keyspace, args: Sequence[bytes]) -> Reply:
+    """EXISTS key...: how many of the keys exist (a key named twice counts twice)."""
+    return sum(ks.get(key) is not None for key in args[1:])
+
+
 def _hmget(ks: Keyspace, args: Sequence[bytes]) -> Reply:
     """HMGET key field...: each field's value, nil for one the hash does not have."""
     fields = ks.get_hash(args[1])
@@ -134,6 +139,7 @@ COMMANDS.update(
         b"hdel": (_hdel, -3),
         b"hgetall": (_hgetall, 2),
         b"hmget": (_hmget, -3),
+        b"exists": (_exists, -2),
         b"zadd": (sorted_sets.zadd, -4),
         b"zcount": (sorted_sets.zcount, 4),
         b"zscore": (sorted_sets.zscore, 3),
