@@ -145,3 +145,24 @@ async def test_aiohttp_releases_each_requests_slot(
         await three_at_once_then_more(get, gate, checked, identifier)
     if checked is not limiter:
         await checked.aclose()
+
+
+async def test_a_refusal_by_a_later_layer_releases_the_slot_taken_before(
+    limiter: Limiter, redis_url: str, prefix: str
+) -> None:
+    """The middleware's limiter takes a slot, the route's own limit (another limiter) refuses:
+    the request is refused and holds nothing, its slot included."""
+    other = Limiter(redis_url, [Limit(1000, per=60)], prefix=prefix + "route")
+    app = FastAPI()
+
+    @app.get("/", dependencies=[Depends(RateLimit(other, [Limit(1, per=3600, precision=60)]))])
+    async def root() -> dict[str, str]:
+        return {}
+
+    app.add_middleware(RateLimitMiddleware, limiter=limiter)
+    try:
+        async with serve(app) as client:
+            assert [(await client.get("/")).status_code for _ in range(3)] == [200, 429, 429]
+        assert (await limiter.peek(f"ip:{IP}")).remaining == POOL.amount
+    finally:
+        await other.aclose()
