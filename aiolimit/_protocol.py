@@ -97,6 +97,7 @@ from aiolimit._calls import (
 from aiolimit._clock import Clock, ServerClock
 from aiolimit._deadline import DECISION_DEADLINE
 from aiolimit._decision import Decision
+from aiolimit._errors import BackendUnavailable
 from aiolimit._lease import Lease
 from aiolimit._ops import Op, OpLedger
 from aiolimit._retry import backoff
@@ -514,10 +515,14 @@ class Protocol:
             return await self.decide(RENEW, plans, weight, op)
         try:
             decision = await self._shielded(self.decide(RELEASE, plans, weight, op))
-        except Exception:
+        except Exception as error:
             # Keep trying in the background (a release is idempotent), so one reset
             # connection does not hold the slot until the lease TTL.
             self._spawn(self._retry_release(plans, weight, op))
+            if isinstance(error, TimeoutError):  # a store that does not answer in time
+                raise BackendUnavailable(
+                    f"no answer within {UNDO_BUDGET:g} s releasing lease {op.id}"
+                ) from error
             raise
         self._wake_release_waiters()
         return decision

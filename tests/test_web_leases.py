@@ -9,6 +9,7 @@ Real uvicorn and aiohttp servers, real Redis.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -23,6 +24,7 @@ from starlette.routing import Route
 from aiolimit import Concurrency, Limit, Limiter
 from aiolimit import aiohttp as aio
 from aiolimit.starlette import RateLimit, RateLimitMiddleware
+from tests._proxy import Proxy
 from tests.test_web_aiohttp import running
 from tests.test_web_starlette import serve
 
@@ -43,11 +45,13 @@ class Gate:
     def __init__(self) -> None:
         self.open = asyncio.Event()
         self.two_inside = asyncio.Event()
+        self.entered = asyncio.Event()
         self.inside = 0
 
     async def wait(self, hold: object) -> None:
         if hold:
             self.inside += 1
+            self.entered.set()
             if self.inside == 2:
                 self.two_inside.set()
             await self.open.wait()
@@ -166,3 +170,40 @@ async def test_a_refusal_by_a_later_layer_releases_the_slot_taken_before(
         assert (await limiter.peek(f"ip:{IP}")).remaining == POOL.amount
     finally:
         await other.aclose()
+
+
+async def test_a_store_that_stops_answering_delays_no_response_past_the_deadline(
+    redis_url: str, prefix: str
+) -> None:
+    """Redis stops answering while a request is in its handler: the response still ends,
+    whole, within about the limiter's deadline (the release goes on in the background); the
+    release's own 5 s budget used to hold the last body message, then break it."""
+    host, port = redis_url.split("//")[1].split("/")[0].split(":")
+    proxy = await Proxy(host, int(port)).start()
+    limiter = Limiter(
+        proxy.url, {"ip": [Concurrency(10)]}, prefix=prefix, deadline=0.25, on_error="open"
+    )
+    gate = Gate()
+
+    async def hello(request: Request) -> PlainTextResponse:
+        await gate.wait(True)
+        return PlainTextResponse("hi" * 1000)
+
+    app = Starlette(routes=[Route("/", hello)])
+    app.add_middleware(RateLimitMiddleware, limiter=limiter)
+    try:
+        async with serve(app) as client:
+            pending = asyncio.ensure_future(client.get("/"))
+            async with asyncio.timeout(5):
+                await gate.entered.wait()
+            proxy.partition()
+            started = time.monotonic()
+            gate.open.set()
+            response = await pending
+            took = time.monotonic() - started
+        assert response.status_code == 200 and response.text == "hi" * 1000
+        assert took < 2.0, f"the response ended {took:.2f} s after the handler"
+    finally:
+        proxy.heal()
+        await limiter.aclose()
+        await proxy.aclose()

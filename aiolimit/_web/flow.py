@@ -8,6 +8,7 @@ problem+json bodies (``headers``).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -194,16 +195,32 @@ async def refund_quietly(limiter: Limiter, ids: Sequence[str], weight: int) -> N
                        weight, len(ids), exc)  # fmt: skip
 
 
-async def release_quietly(decision: Decision) -> None:
-    """Releases the concurrency lease an admission holds, if any; a store failure is only
-    logged (the lease goes on being released in the background, see ``Lease.release``)."""
+#: How long a web layer waits for a lease's release when its limiter has no deadline.
+RELEASE_WAIT = 1.0
+
+
+async def release_quietly(decision: Decision, limiter: Limiter | None = None) -> None:
+    """Releases the concurrency lease an admission holds, if any, waiting at most the
+    limiter's deadline (else ``RELEASE_WAIT``): a store that fails or does not answer delays
+    no response longer, and is only logged; the release goes on in the background (see
+    ``Lease.release``), and the lease expires at its TTL at the latest."""
     lease = decision.lease
     if lease is None or lease.released:
         return
-    try:
-        await lease.release()
-    except BackendError as exc:
-        logger.warning("aiolimit: releasing lease %s failed: %s", lease.op_id, exc)
+    deadline = None if limiter is None else limiter._failure.deadline_seconds
+    wait = deadline or RELEASE_WAIT
+    task = asyncio.ensure_future(lease.release())
+    task.add_done_callback(_log_release)
+    await asyncio.wait((task,), timeout=wait)  # (never cancels the release itself)
+
+
+def _log_release(task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is not None:
+        logger.warning("aiolimit: releasing a lease failed (retried in the background): %s",
+                       error)  # fmt: skip
 
 
 # -- one request ----------------------------------------------------------------------------
@@ -338,13 +355,13 @@ class Verdict:
                 ids = charge.refund_ids if on_error else charge.ids
                 await refund_quietly(charge.limiter, ids, charge.weight)
             if not on_error:
-                await release_quietly(charge.decision)
+                await release_quietly(charge.decision, charge.limiter)
 
     async def release(self) -> None:
         """The request is over: the ``Concurrency`` slots its admissions hold are released
         (a ``Concurrency`` limit counts requests in flight, not requests per lease TTL)."""
         for charge in self.charges:
-            await release_quietly(charge.decision)
+            await release_quietly(charge.decision, charge.limiter)
 
 
 def merged_headers(charges: Sequence[Charge], *, legacy: bool) -> list[tuple[str, str]]:
