@@ -348,9 +348,14 @@ class Limiter:
         self._check_usable()
         budget = self._follow_budget
         if not follower.ready:
+            # The read goes through the breaker as a decision would: while it is open no
+            # decision waits for a read, and once recovery_time has passed one decision's
+            # read is the probe (the others are answered at once meanwhile). A failed read
+            # is recorded by the failure policy (``_unread``): the breaker opens again.
             breaker = self._failure.breaker
-            if breaker.state == "open" and breaker.retry_after() > 0:
+            if breaker.state != "closed" and not breaker.allow():
                 return _BreakerOpen("circuit breaker open: the rules were not read")
+            probing = breaker.state == "half_open"
             try:
                 await follower.first_read(budget)
             except BackendError as exc:
@@ -360,6 +365,12 @@ class Limiter:
                     f"{self._store.address}: no answer within {budget:g} s to the first read "
                     "of the rules document"
                 )
+            except BaseException:
+                if probing:
+                    breaker.record_abandoned()
+                raise
+            if probing:
+                breaker.record_success()
         ids = (ids,) if isinstance(ids, str) else ids
         wanted = follower.missing(ids)
         if wanted and (strict or self._failure.breaker.state != "open"):

@@ -130,3 +130,40 @@ async def test_no_first_read_while_the_breaker_is_open(
     finally:
         fresh_standalone.resume()
         await limiter.aclose()
+
+
+async def test_an_unread_document_under_an_open_breaker_costs_one_probe_per_recovery_time(
+    redis_url: str, prefix: str
+) -> None:
+    """Redis does not answer from the start (a worker started during an outage): once the
+    breaker has opened, decisions are answered at once, but for one probe per recovery_time,
+    as without follow_rules. (The failed first reads never re-armed the open breaker, so
+    after one recovery_time every decision waited for a read, the whole outage long.)"""
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = await Proxy(host, int(port)).start()
+    proxy.partition()
+    fresh = Limiter(
+        proxy.url, {"user": "1000/hour"}, prefix=prefix, follow_rules=True, deadline=0.3,
+        on_error="open", failure_threshold=3, recovery_time=0.5,
+    )  # fmt: skip
+    slow: list[float] = []
+    try:
+        started = time.monotonic()
+
+        async def one() -> None:
+            began = time.monotonic()
+            assert (await fresh.try_acquire("user:a")).degraded
+            if time.monotonic() - began > 0.1:
+                slow.append(began - started)
+
+        tasks = []
+        while time.monotonic() - started < 3.0:  # 50 decisions a second for 3 s
+            tasks.append(asyncio.ensure_future(one()))
+            await asyncio.sleep(0.02)
+        await asyncio.gather(*tasks)
+    finally:
+        proxy.heal()
+        await fresh.aclose()
+        await proxy.aclose()
+    late = [at for at in slow if at > 1.0]  # (the breaker opens within the first second)
+    assert len(late) <= 10, f"{len(late)} decisions waited for a read after the first second"
