@@ -390,7 +390,14 @@ class RateLimitMiddleware:
         found = match_route(routes, scope)
         if found is None:
             return (), False, scope
-        scope[MOUNTS_KEY] = found[2][MOUNTS_KEY]  # for the route's own limits' scope
+        root = scope.get("root_path", "")
+        if root == scope.get("app_root_path", root):
+            scope[MOUNTS_KEY] = found[2][MOUNTS_KEY]  # for the route's own limits' scope
+        else:
+            # A middleware of a mounted sub-app: its mounts are the sub-app's, and the outer
+            # ones' templates are not known here (root_path holds their values): the
+            # scope is found from the outermost router (``_mount_templates``).
+            del found[2][MOUNTS_KEY]
         layers, is_exempt = route_limits(found[0], found[1])
         overrides = getattr(scope.get("app"), "dependency_overrides", None)
         if overrides and layers:  # an overridden RateLimit (tests often turn limits off so)

@@ -148,3 +148,33 @@ async def test_a_routers_own_limit_and_its_routes_are_two_budgets(
     assert len(kinds) == 2 and kinds[0] == "GET /v1/report", kinds
     assert (await limiter.peek(f"{kinds[0]}:ip:{IP}")).remaining == 98  # the refusal: nothing
     assert (await limiter.peek(f"{kinds[1]}:ip:{IP}")).remaining == 0
+
+
+@pytest.mark.parametrize("middleware", [False, True], ids=["dependency alone", "middleware"])
+async def test_sub_apps_mounted_apart_keep_their_routes_apart(
+    make: Factory, middleware: bool
+) -> None:
+    """Two sub-apps under Mount("/v1") and Mount("/v2"), each with its own middleware and a
+    route "/report" limited to 2 an hour: two budgets, "GET /v1/report" and "GET /v2/report"
+    (a sub-app's middleware knew only its own mounts: both were "GET /report")."""
+    limiter = make({"ip": [Limit(1000, per=3600, precision=60)]})
+    subs = []
+    for _ in range(2):
+        sub = FastAPI()
+        own = [Limit(2, per=3600, precision=60)]
+
+        @sub.get("/report", dependencies=[Depends(RateLimit(limiter, own))])
+        async def report() -> dict[str, bool]:
+            return {"ok": True}
+
+        if middleware:
+            sub.add_middleware(RateLimitMiddleware, limiter=limiter)
+        subs.append(sub)
+    app = Starlette(routes=[Mount("/v1", app=subs[0]), Mount("/v2", app=subs[1])])
+    async with serve(app) as client:
+        codes = [
+            (await client.get(path)).status_code for path in ["/v1/report"] * 3 + ["/v2/report"] * 3
+        ]
+    assert codes == [200, 200, 429, 200, 200, 429]
+    kinds = sorted(kind for kind in limiter._added_rules if "report" in kind)
+    assert kinds == ["GET /v1/report", "GET /v2/report"], kinds
