@@ -43,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - depends on what is installed
         f"the aiolimit command line needs typer and rich: pip install 'aiolimit-redis[cli]' ({exc})"
     ) from exc
 
+from aiolimit._connection import CLUSTER_SCHEMES, scheme_of
 from aiolimit._errors import AiolimitError, BackendError, ConfigurationError, InvalidRequestError
 from aiolimit._follow import (
     Document,
@@ -154,9 +155,21 @@ def open_limiter(rules: RuleSet | None = None, **options: Any) -> Limiter:
     """
     fallback = rules if rules is not None else {"*": "1/second"}
     return Limiter(
-        settings.url, fallback, prefix=settings.prefix, follow_rules=True, deadline=None,
+        _store(settings), fallback, prefix=settings.prefix, follow_rules=True, deadline=None,
         socket_timeout=settings.timeout, rules_interval=3600, **options,
     )  # fmt: skip
+
+
+def _store(settings: Any) -> Any:
+    """The server URL, or for a cluster its store: a cluster client retries redirections and
+    failovers for its own budget (5 s by default), which ``--timeout`` bounds too."""
+    if scheme_of(settings.url) in CLUSTER_SCHEMES:
+        from aiolimit._stores.cluster import ClusterStore
+
+        return ClusterStore.from_url(
+            settings.url, socket_timeout=settings.timeout, deadline=settings.timeout
+        )
+    return settings.url
 
 
 def load_rules(load: Callable[[], RuleSet], what: str = "") -> RuleSet:
@@ -496,7 +509,7 @@ def bench(
         latencies: list[float] = []
         counts = {"allowed": 0, "refused": 0, "errors": 0}
         async with Limiter(
-            settings.url, rules, prefix=prefix, deadline=None, socket_timeout=settings.timeout
+            _store(settings), rules, prefix=prefix, deadline=None, socket_timeout=settings.timeout
         ) as limiter:
             await limiter.peek("bench:0")  # connect first: a dead server fails here, at once
             started = time.perf_counter()

@@ -173,6 +173,21 @@ def test_a_silent_port_is_exit_3_within_the_default_timeout(silent_port: int, pr
     assert took < 12, took
 
 
+@pytest.mark.parametrize("command", [("rules", "show"), ("reset", "user:1", "--yes")])
+def test_a_silent_cluster_seed_is_exit_3_within_the_timeout(
+    silent_port: int, prefix: str, command: tuple[str, ...]
+) -> None:
+    """On a cluster URL --timeout bounds the cluster client's own retries too (they took
+    their default 5 s budget: 5.4 s with --timeout 0.3)."""
+    started = time.monotonic()
+    url = f"redis+cluster://127.0.0.1:{silent_port}"
+    done = cli("--json", "--timeout", "0.3", *command, url=url, prefix=prefix, timeout=30)
+    took = time.monotonic() - started
+    assert done.returncode == 3, (done.stdout, done.stderr[-800:])
+    assert one_json_document(done)["exit_code"] == 3
+    assert took < 3.5, took  # (the interpreter's start included)
+
+
 # -- one JSON document on every path -------------------------------------------------------
 
 
