@@ -190,6 +190,8 @@ async def _judge_first(
     if verdict is not None and verdict.refused:
         return _problem(verdict)
     state.verdict = verdict
+    if verdict is not None:
+        verdict.keep_leases()
     try:
         return await _run(state, request, handler)
     finally:

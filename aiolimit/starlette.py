@@ -453,6 +453,8 @@ class RateLimitMiddleware:
             await _send_problem(send, verdict)
             return
         state.verdict = verdict
+        if verdict is not None:
+            verdict.keep_leases()
         status = 0
 
         async def send_with_headers(message: Message) -> None:
@@ -631,6 +633,7 @@ class RateLimit:
         if not outer:
             for name, value in verdict.headers:
                 response.headers[name] = value
+            verdict.keep_leases()
         try:
             if not (verdict.refund and verdict.refundable):
                 yield verdict.decision_for(limiter)

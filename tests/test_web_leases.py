@@ -207,3 +207,52 @@ async def test_a_store_that_stops_answering_delays_no_response_past_the_deadline
         proxy.heal()
         await limiter.aclose()
         await proxy.aclose()
+
+
+@pytest.mark.parametrize("where", ["middleware", "dependency"])
+async def test_a_stream_longer_than_lease_ttl_keeps_its_slot(
+    redis_url: str, prefix: str, where: str
+) -> None:
+    """Concurrency(1, lease_ttl=0.6): a streamed response that lasts twice the TTL still holds
+    its slot (the layer renews its lease while the request runs), and gives it back at the end.
+    Before, the lease ran out mid-stream and a second request was admitted beside it."""
+    from starlette.responses import StreamingResponse
+
+    pool = [Concurrency(1, lease_ttl=0.6)]
+    limiter = Limiter(redis_url, {"ip": pool} if where == "middleware" else [Limit(1000, per=60)],
+                      prefix=prefix)  # fmt: skip
+    streaming, finish = asyncio.Event(), asyncio.Event()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"first"
+        streaming.set()
+        await finish.wait()
+        yield b"last"
+
+    app = FastAPI()
+    guards = [] if where == "middleware" else [Depends(RateLimit(limiter, pool, name="pool"))]
+
+    calls = []
+
+    @app.get("/", dependencies=guards)
+    async def root() -> StreamingResponse | PlainTextResponse:
+        calls.append(1)
+        return StreamingResponse(chunks()) if len(calls) == 1 else PlainTextResponse("ok")
+
+    if where == "middleware":
+        app.add_middleware(RateLimitMiddleware, limiter=limiter)
+    try:
+        async with serve(app) as client:
+            first = asyncio.ensure_future(client.get("/"))
+            async with asyncio.timeout(5):
+                await streaming.wait()
+            await asyncio.sleep(1.2)  # twice the lease's TTL
+            assert (await client.get("/")).status_code == 429
+            finish.set()
+            response = await first
+            assert response.status_code == 200 and response.content == b"firstlast"
+            await asyncio.sleep(0.05)  # (the dependency lets go as FastAPI closes it)
+            assert (await client.get("/")).status_code == 200
+    finally:
+        finish.set()
+        await limiter.aclose()

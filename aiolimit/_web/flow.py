@@ -15,8 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from aiolimit._algorithms import Concurrency
 from aiolimit._decision import Decision
-from aiolimit._errors import BackendError, ConfigurationError, WeightNeverFits
+from aiolimit._errors import BackendError, ConfigurationError, LeaseExpired, WeightNeverFits
 from aiolimit._limiter import Limiter
 from aiolimit._rules import check_limits
 from aiolimit._validation import MAX_AMOUNT, check_int
@@ -214,6 +215,14 @@ async def release_quietly(decision: Decision, limiter: Limiter | None = None) ->
     await asyncio.wait((task,), timeout=wait)  # (never cancels the release itself)
 
 
+def _lease_ttl(decision: Decision) -> float | None:
+    """The shortest lease TTL of a decision's ``Concurrency`` pairs (None: it holds none)."""
+    if decision.lease is None:
+        return None
+    ttls = [pair.limit.per for pair in decision.details if isinstance(pair.limit, Concurrency)]
+    return min(ttls) if ttls else None
+
+
 def _log_release(task: asyncio.Task[None]) -> None:
     if task.cancelled():
         return
@@ -325,6 +334,7 @@ class Verdict:
     headers: list[tuple[str, str]]
     status: int = 200
     body: bytes = b""
+    renewing: asyncio.Task[None] | None = None  # keeps the leases while the request runs
 
     @property
     def refused(self) -> bool:
@@ -349,6 +359,8 @@ class Verdict:
         """Refunds the real charges not given back yet: all of them (a later refusal, which
         also releases their leases), or with ``on_error`` those whose layers asked for
         ``refund_on_error`` (the request failed)."""
+        if not on_error:
+            self._stop_renewing()
         for charge in self.charges:
             if charge.refundable and (charge.refund or not on_error):
                 charge.given_back = True
@@ -360,8 +372,41 @@ class Verdict:
     async def release(self) -> None:
         """The request is over: the ``Concurrency`` slots its admissions hold are released
         (a ``Concurrency`` limit counts requests in flight, not requests per lease TTL)."""
+        self._stop_renewing()
         for charge in self.charges:
             await release_quietly(charge.decision, charge.limiter)
+
+    def keep_leases(self) -> None:
+        """While the request runs, its leases are renewed every third of their TTL, so a
+        request that outlives ``lease_ttl`` (a stream, a long download) still counts;
+        ``release`` stops it. Nothing runs for a request that holds no lease."""
+        if self.renewing is not None:
+            return
+        ttls = [ttl for c in self.charges if (ttl := _lease_ttl(c.decision)) is not None]
+        if ttls:
+            self.renewing = asyncio.ensure_future(self._renew(min(ttls) / 3))
+
+    def _stop_renewing(self) -> None:
+        if self.renewing is not None:
+            self.renewing.cancel()
+            self.renewing = None
+
+    async def _renew(self, interval: float) -> None:
+        expired: set[int] = set()
+        while True:
+            await asyncio.sleep(interval)
+            for charge in list(self.charges):
+                lease = charge.decision.lease
+                if lease is None or lease.released or id(lease) in expired:
+                    continue
+                try:
+                    async with asyncio.timeout(interval):
+                        await lease.renew()
+                except LeaseExpired:  # its slot may be another request's by now
+                    expired.add(id(lease))
+                    logger.warning("aiolimit: lease %s expired during its request", lease.op_id)
+                except Exception as exc:  # the store: tried again at the next tick
+                    logger.warning("aiolimit: renewing lease %s failed: %s", lease.op_id, exc)
 
 
 def merged_headers(charges: Sequence[Charge], *, legacy: bool) -> list[tuple[str, str]]:
@@ -513,7 +558,9 @@ class RequestLimits:
             self.refused = verdict
         elif self.verdict is None:
             self.verdict = verdict
+            verdict.keep_leases()
         else:
             self.verdict.charges += verdict.charges
             self.added = True
+            self.verdict.keep_leases()
         return verdict
