@@ -252,6 +252,11 @@ class Limiter:
         self._rules = fresh
         self._rules_special = fresh.ruleset is not None or fresh.remote is not None
 
+    @property
+    def closed(self) -> bool:
+        """True once ``aclose()`` was called (the limiter is not usable any more)."""
+        return self._closed
+
     def _check_usable(self) -> None:
         if self._closed:
             raise UsageError(f"{self!r} is closed (aclose() was called); open a new Limiter")
@@ -350,18 +355,21 @@ class Limiter:
         if not follower.ready:
             # The read goes through the breaker as a decision would: while it is open no
             # decision waits for a read, and once recovery_time has passed one decision's
-            # read is the probe (the others are answered at once meanwhile). A failed read
-            # is recorded by the failure policy (``_unread``): the breaker opens again.
+            # read is the probe (the others are answered at once meanwhile). A failed probe
+            # gives its slot back here; a decision's failure policy (``_unread``) records the
+            # failure (the breaker opens again), and a refund or reset that took the probe
+            # leaves the next call to probe.
             breaker = self._failure.breaker
             if breaker.state != "closed" and not breaker.allow():
                 return _BreakerOpen("circuit breaker open: the rules were not read")
             probing = breaker.state == "half_open"
+            failure: BackendError | None = None
             try:
                 await follower.first_read(budget)
             except BackendError as exc:
-                return exc
+                failure = exc
             except TimeoutError:
-                return BackendUnavailable(
+                failure = BackendUnavailable(
                     f"{self._store.address}: no answer within {budget:g} s to the first read "
                     "of the rules document"
                 )
@@ -369,6 +377,10 @@ class Limiter:
                 if probing:
                     breaker.record_abandoned()
                 raise
+            if failure is not None:
+                if probing:
+                    breaker.record_abandoned()
+                return failure
             if probing:
                 breaker.record_success()
         ids = (ids,) if isinstance(ids, str) else ids

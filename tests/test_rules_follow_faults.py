@@ -167,3 +167,37 @@ async def test_an_unread_document_under_an_open_breaker_costs_one_probe_per_reco
         await proxy.aclose()
     late = [at for at in slow if at > 1.0]  # (the breaker opens within the first second)
     assert len(late) <= 10, f"{len(late)} decisions waited for a read after the first second"
+
+
+@pytest.mark.parametrize("call", ["refund", "reset"])
+async def test_a_refund_or_reset_that_took_the_probe_leaves_the_breaker_able_to_close(
+    redis_url: str, prefix: str, call: str
+) -> None:
+    """The store is down before the first read; once recovery_time has passed, a refund (or
+    reset) is the call that probes, and fails. When the store is back, decisions are made by
+    it again (the failed probe's slot was never given back: every decision was short-
+    circuited for good)."""
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = await Proxy(host, int(port)).start()
+    fresh = Limiter(
+        proxy.url, {"ip": ["100/minute"]}, prefix=prefix, follow_rules=True, on_error="open",
+        failure_threshold=1, recovery_time=0.2, deadline=0.2,
+    )  # fmt: skip
+    try:
+        proxy.partition()
+        assert (await fresh.try_acquire("ip:a")).degraded  # the read fails: the breaker opens
+        await asyncio.sleep(0.3)
+        with pytest.raises(BackendError):
+            await getattr(fresh, call)("ip:a")  # the probe
+        proxy.heal()
+        for _ in range(50):  # (5 s at most)
+            decision = await fresh.try_acquire("ip:a")
+            if not decision.degraded:
+                break
+            await asyncio.sleep(0.1)
+        assert not decision.degraded, fresh.statistics().breaker
+        assert fresh.statistics().breaker.state == "closed"
+    finally:
+        proxy.heal()
+        await fresh.aclose()
+        await proxy.aclose()
