@@ -256,3 +256,98 @@ async def test_a_stream_longer_than_lease_ttl_keeps_its_slot(
     finally:
         finish.set()
         await limiter.aclose()
+
+
+async def test_a_shorter_lease_a_later_layer_adds_is_renewed_on_its_own_ttl(
+    redis_url: str, prefix: str
+) -> None:
+    """Two middlewares: the outer's pool has a 60 s lease TTL, the inner's 0.6 s; the inner's
+    lease joins the outer's verdict. It is renewed every 0.2 s, not the outer's 20 s: a
+    second stream is still refused after 1.5 s."""
+    from starlette.middleware import Middleware
+    from starlette.responses import StreamingResponse
+
+    outer = Limiter(redis_url, {"ip": [Concurrency(10, lease_ttl=60)]}, prefix=prefix + "o")
+    inner = Limiter(redis_url, {"ip": [Concurrency(1, lease_ttl=0.6)]}, prefix=prefix + "i")
+    streaming, finish = asyncio.Event(), asyncio.Event()
+    calls = []
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"first"
+        streaming.set()
+        await finish.wait()
+        yield b"last"
+
+    async def root(request: Request) -> StreamingResponse | PlainTextResponse:
+        calls.append(1)
+        return StreamingResponse(chunks()) if len(calls) == 1 else PlainTextResponse("ok")
+
+    app = Starlette(
+        routes=[Route("/", root)],
+        middleware=[
+            Middleware(RateLimitMiddleware, limiter=outer),
+            Middleware(RateLimitMiddleware, limiter=inner),
+        ],
+    )
+    try:
+        async with serve(app) as client:
+            first = asyncio.ensure_future(client.get("/"))
+            async with asyncio.timeout(5):
+                await streaming.wait()
+            await asyncio.sleep(1.5)  # 2.5 times the inner lease's TTL
+            assert (await client.get("/")).status_code == 429
+            finish.set()
+            assert (await first).status_code == 200
+    finally:
+        finish.set()
+        await outer.aclose()
+        await inner.aclose()
+
+
+def test_failed_renewals_are_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    """A store outage fails every in-flight request's renewal each third of a TTL: one line
+    per RENEWAL_LOG_INTERVAL with the count and the last error, not one per renewal."""
+    from aiolimit._web import flow
+
+    flow._renewals.update(failed=0, logged_at=-flow.RENEWAL_LOG_INTERVAL)
+    with caplog.at_level("WARNING", logger="aiolimit"):
+        for _ in range(80):
+            flow._renewal_failed(TimeoutError())
+    lines = [r.getMessage() for r in caplog.records if "renewal" in r.getMessage()]
+    assert len(lines) == 1 and "TimeoutError()" in lines[0], lines
+    assert flow._renewals["failed"] == 79  # counted for the next line
+
+
+async def test_a_limiter_closed_mid_stream_opens_no_connection_again(
+    redis_url: str, prefix: str
+) -> None:
+    """aclose() while a stream holds a lease: its renewals and its release stop (the lease
+    expires at its TTL) rather than reopen connections on the closed client."""
+    from starlette.responses import StreamingResponse
+
+    limiter = Limiter(redis_url, {"ip": [Concurrency(5, lease_ttl=0.6)]}, prefix=prefix)
+    streaming, finish = asyncio.Event(), asyncio.Event()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"first"
+        streaming.set()
+        await finish.wait()
+        yield b"last"
+
+    async def root(request: Request) -> StreamingResponse:
+        return StreamingResponse(chunks())
+
+    app = Starlette(routes=[Route("/", root)])
+    app.add_middleware(RateLimitMiddleware, limiter=limiter)
+    async with serve(app) as client:
+        first = asyncio.ensure_future(client.get("/"))
+        async with asyncio.timeout(5):
+            await streaming.wait()
+        await limiter.aclose()
+        store = limiter._store
+        await asyncio.sleep(0.5)  # a few renewal ticks
+        finish.set()
+        assert (await first).status_code == 200
+    pool = store.client.connection_pool  # type: ignore[attr-defined]
+    connections = [*pool._in_use_connections, *pool._available_connections]
+    assert not [c for c in connections if c.is_connected], connections

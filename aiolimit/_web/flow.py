@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -206,8 +207,8 @@ async def release_quietly(decision: Decision, limiter: Limiter | None = None) ->
     no response longer, and is only logged; the release goes on in the background (see
     ``Lease.release``), and the lease expires at its TTL at the latest."""
     lease = decision.lease
-    if lease is None or lease.released:
-        return
+    if lease is None or lease.released or (limiter is not None and limiter.closed):
+        return  # (a closed limiter's leases expire at their TTL)
     deadline = None if limiter is None else limiter._failure.deadline_seconds
     wait = deadline or RELEASE_WAIT
     task = asyncio.ensure_future(lease.release())
@@ -221,6 +222,22 @@ def _lease_ttl(decision: Decision) -> float | None:
         return None
     ttls = [pair.limit.per for pair in decision.details if isinstance(pair.limit, Concurrency)]
     return min(ttls) if ttls else None
+
+
+#: Failed lease renewals are logged at most once in this many seconds, with their count.
+RENEWAL_LOG_INTERVAL = 10.0
+_renewals = {"failed": 0, "logged_at": -RENEWAL_LOG_INTERVAL}
+
+
+def _renewal_failed(error: BaseException) -> None:
+    """Counts a failed renewal; one line per ``RENEWAL_LOG_INTERVAL`` (a store outage fails
+    every in-flight request's renewals, a third of a lease TTL apart)."""
+    _renewals["failed"] += 1
+    now = time.monotonic()
+    if now - _renewals["logged_at"] >= RENEWAL_LOG_INTERVAL:
+        logger.warning("aiolimit: %d lease renewal(s) failed since the last report; last: %r",
+                       _renewals["failed"], error)  # fmt: skip
+        _renewals["failed"], _renewals["logged_at"] = 0, now
 
 
 def _log_release(task: asyncio.Task[None]) -> None:
@@ -335,6 +352,7 @@ class Verdict:
     status: int = 200
     body: bytes = b""
     renewing: asyncio.Task[None] | None = None  # keeps the leases while the request runs
+    renew_every: float = 0.0  # its interval, s
 
     @property
     def refused(self) -> bool:
@@ -380,11 +398,16 @@ class Verdict:
         """While the request runs, its leases are renewed every third of their TTL, so a
         request that outlives ``lease_ttl`` (a stream, a long download) still counts;
         ``release`` stops it. Nothing runs for a request that holds no lease."""
-        if self.renewing is not None:
-            return
         ttls = [ttl for c in self.charges if (ttl := _lease_ttl(c.decision)) is not None]
-        if ttls:
-            self.renewing = asyncio.ensure_future(self._renew(min(ttls) / 3))
+        if not ttls:
+            return
+        interval = min(ttls) / 3
+        if self.renewing is not None:
+            if interval >= self.renew_every:
+                return
+            self.renewing.cancel()  # a lease with a shorter TTL joined (a later layer's)
+        self.renew_every = interval
+        self.renewing = asyncio.ensure_future(self._renew(interval))
 
     def _stop_renewing(self) -> None:
         if self.renewing is not None:
@@ -399,6 +422,8 @@ class Verdict:
                 lease = charge.decision.lease
                 if lease is None or lease.released or id(lease) in expired:
                     continue
+                if charge.limiter.closed:  # (aclose: the lease expires at its TTL)
+                    return
                 try:
                     async with asyncio.timeout(interval):
                         await lease.renew()
@@ -406,7 +431,7 @@ class Verdict:
                     expired.add(id(lease))
                     logger.warning("aiolimit: lease %s expired during its request", lease.op_id)
                 except Exception as exc:  # the store: tried again at the next tick
-                    logger.warning("aiolimit: renewing lease %s failed: %s", lease.op_id, exc)
+                    _renewal_failed(exc)
 
 
 def merged_headers(charges: Sequence[Charge], *, legacy: bool) -> list[tuple[str, str]]:
