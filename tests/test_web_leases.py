@@ -351,3 +351,47 @@ async def test_a_limiter_closed_mid_stream_opens_no_connection_again(
     pool = store.client.connection_pool  # type: ignore[attr-defined]
     connections = [*pool._in_use_connections, *pool._available_connections]
     assert not [c for c in connections if c.is_connected], connections
+
+
+async def test_leases_of_several_limiters_are_released_together(
+    redis_url: str, prefix: str
+) -> None:
+    """Three middlewares, one Concurrency limiter each, and the store stops answering while
+    the request is in its handler: the three releases are waited for together, one deadline
+    (0.6 s), not one after another (1.8 s)."""
+    from starlette.middleware import Middleware
+
+    host, port = redis_url.split("//")[1].split("/")[0].split(":")
+    proxy = await Proxy(host, int(port)).start()
+    pool = {"ip": [Concurrency(10)]}
+    limiters = [
+        Limiter(proxy.url, pool, prefix=f"{prefix}{i}", deadline=0.6, on_error="open")
+        for i in range(3)
+    ]
+    gate = Gate()
+
+    async def hello(request: Request) -> PlainTextResponse:
+        await gate.wait(True)
+        return PlainTextResponse("hi")
+
+    app = Starlette(
+        routes=[Route("/", hello)],
+        middleware=[Middleware(RateLimitMiddleware, limiter=limiter) for limiter in limiters],
+    )
+    try:
+        async with serve(app) as client:
+            pending = asyncio.ensure_future(client.get("/"))
+            async with asyncio.timeout(5):
+                await gate.entered.wait()
+            proxy.partition()
+            started = time.monotonic()
+            gate.open.set()
+            response = await pending
+            took = time.monotonic() - started
+        assert response.status_code == 200 and response.text == "hi"
+        assert took < 1.3, f"the response ended {took:.2f} s after the handler"
+    finally:
+        proxy.heal()
+        for limiter in limiters:
+            await limiter.aclose()
+        await proxy.aclose()

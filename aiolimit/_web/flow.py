@@ -391,8 +391,11 @@ class Verdict:
         """The request is over: the ``Concurrency`` slots its admissions hold are released
         (a ``Concurrency`` limit counts requests in flight, not requests per lease TTL)."""
         self._stop_renewing()
-        for charge in self.charges:
-            await release_quietly(charge.decision, charge.limiter)
+        leased = [c for c in self.charges if c.decision.lease is not None]
+        if len(leased) == 1:
+            await release_quietly(leased[0].decision, leased[0].limiter)
+        elif leased:  # together: a store that does not answer costs one wait, not one each
+            await asyncio.gather(*(release_quietly(c.decision, c.limiter) for c in leased))
 
     def keep_leases(self) -> None:
         """While the request runs, its leases are renewed every third of their TTL, so a
