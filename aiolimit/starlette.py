@@ -617,6 +617,9 @@ class RateLimit:
             outer = True
         else:
             own, _ = route_limits(scope.get("route"), _inclusion(scope))
+            overrides = getattr(scope.get("app"), "dependency_overrides", None)
+            if overrides:  # an overridden RateLimit is not judged (as under the middleware)
+                own = tuple(dep for dep in own if dep not in overrides)
             mine = own if self in own else (self,)
             state = RequestLimits(mine, self._legacy)
             scope[SCOPE_KEY] = state

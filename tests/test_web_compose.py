@@ -693,6 +693,27 @@ async def test_dependency_overrides_turn_a_route_limit_off(limiter_factory: Fact
     assert statuses == [200, 200]
 
 
+async def test_dependency_overrides_turn_a_route_limit_off_without_middleware(
+    limiter_factory: Factory,
+) -> None:
+    """Two guards on a route, no middleware, one of them overridden (as tests do to turn a
+    limit off): the other judges alone. (It judged the route's guards together, the
+    overridden one included: its 1 an hour refused the second request.)"""
+    limiter = limiter_factory({"ip": [SlidingLog(100, per=60)]})
+    tight, plain = RateLimit(limiter, hourly(1)), RateLimit(limiter)
+    app = FastAPI()
+
+    @app.get("/x", dependencies=[Depends(tight), Depends(plain)])
+    async def x() -> str:
+        return "x"
+
+    app.dependency_overrides[tight] = lambda: None
+    async with serve(app) as client:
+        statuses = [(await client.get("/x")).status_code for _ in range(2)]
+    assert statuses == [200, 200]
+    assert await left(limiter, f"ip:{IP}") == 98
+
+
 async def test_a_route_added_late_is_judged_in_one_decision_after_its_first_request(
     limiter_factory: Factory,
 ) -> None:
