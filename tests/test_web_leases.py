@@ -57,6 +57,21 @@ class Gate:
             await self.open.wait()
 
 
+async def partitioned_mid_request(
+    client: httpx.AsyncClient, gate: Gate, proxy: Proxy
+) -> tuple[httpx.Response, float]:
+    """One request; the store stops answering once it is in its handler, then the handler
+    returns: the response, and how long after that it ended."""
+    pending = asyncio.ensure_future(client.get("/"))
+    async with asyncio.timeout(5):
+        await gate.entered.wait()
+    proxy.partition()
+    started = time.monotonic()
+    gate.open.set()
+    response = await pending
+    return response, time.monotonic() - started
+
+
 async def three_at_once_then_more(
     get: Callable[[str], Awaitable[int]], gate: Gate, limiter: Limiter, identifier: str
 ) -> None:
@@ -193,14 +208,7 @@ async def test_a_store_that_stops_answering_delays_no_response_past_the_deadline
     app.add_middleware(RateLimitMiddleware, limiter=limiter)
     try:
         async with serve(app) as client:
-            pending = asyncio.ensure_future(client.get("/"))
-            async with asyncio.timeout(5):
-                await gate.entered.wait()
-            proxy.partition()
-            started = time.monotonic()
-            gate.open.set()
-            response = await pending
-            took = time.monotonic() - started
+            response, took = await partitioned_mid_request(client, gate, proxy)
         assert response.status_code == 200 and response.text == "hi" * 1000
         assert took < 2.0, f"the response ended {took:.2f} s after the handler"
     finally:
@@ -380,14 +388,7 @@ async def test_leases_of_several_limiters_are_released_together(
     )
     try:
         async with serve(app) as client:
-            pending = asyncio.ensure_future(client.get("/"))
-            async with asyncio.timeout(5):
-                await gate.entered.wait()
-            proxy.partition()
-            started = time.monotonic()
-            gate.open.set()
-            response = await pending
-            took = time.monotonic() - started
+            response, took = await partitioned_mid_request(client, gate, proxy)
         assert response.status_code == 200 and response.text == "hi"
         assert took < 1.3, f"the response ended {took:.2f} s after the handler"
     finally:
