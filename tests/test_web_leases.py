@@ -396,3 +396,38 @@ async def test_leases_of_several_limiters_are_released_together(
         for limiter in limiters:
             await limiter.aclose()
         await proxy.aclose()
+
+
+async def test_a_client_that_hangs_up_mid_stream_gives_its_slot_back(
+    limiter: Limiter,
+) -> None:
+    """Concurrency(2, lease_ttl=60): a client reads the first chunk of a stream that never
+    ends and hangs up; the request is cancelled on the server, and its slot comes back long
+    before the lease's TTL (nothing else would free it for a minute)."""
+    from starlette.responses import StreamingResponse
+
+    streaming = asyncio.Event()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"first"
+        streaming.set()
+        await asyncio.Event().wait()  # never ends: only the hang-up stops it
+        yield b"never"
+
+    async def root(request: Request) -> StreamingResponse:
+        return StreamingResponse(chunks())
+
+    app = Starlette(routes=[Route("/", root)])
+    app.add_middleware(RateLimitMiddleware, limiter=limiter)
+    async with serve(app) as client:
+        async with client.stream("GET", "/") as response:
+            assert response.status_code == 200
+            async with asyncio.timeout(5):
+                await streaming.wait()
+            assert (await limiter.peek(f"ip:{IP}")).remaining == POOL.amount - 1
+        # (leaving the block closes the connection mid-body)
+        for _ in range(50):  # 5 s at most
+            if (await limiter.peek(f"ip:{IP}")).remaining == POOL.amount:
+                break
+            await asyncio.sleep(0.1)
+        assert (await limiter.peek(f"ip:{IP}")).remaining == POOL.amount
