@@ -409,7 +409,7 @@ local function decide(KEYS, ARGV, batch)
   CALL.emptied = nil
   if not batch then loaded = {} end
   now_text = nil
-  slack = tonumber(ARGV[4])
+  slack = small_int(ARGV[4])
   CALL.slack = slack or 0
   local mode = ARGV[1]
   if ARGV[2] == '' then
@@ -423,7 +423,7 @@ local function decide(KEYS, ARGV, batch)
   else
     now = tonumber(ARGV[2])
   end
-  local weight = tonumber(ARGV[3])
+  local weight = small_int(ARGV[3])
   op = ARGV[5]
   local flags = ARGV[6]
   local penalty = false
@@ -436,7 +436,7 @@ local function decide(KEYS, ARGV, batch)
   local previous = npairs
   npairs = 0
   local key_base = 0
-  local nblocks = tonumber(ARGV[7])
+  local nblocks = small_int(ARGV[7])
   if not nblocks or nblocks < 0 or nblocks % 1 ~= 0 or 7 + nblocks > #ARGV then
     return redis.error_reply('ERR aiolimit: bad block count ' .. tostring(ARGV[7]))
   end
@@ -698,7 +698,7 @@ local function run_many(KEYS, ARGV, first, verify)
   local starts = STARTS
   local k, a = 0, first + 1
   for c = 1, n do
-    local nkeys, nargs = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+    local nkeys, nargs = small_int(ARGV[a]), small_int(ARGV[a + 1])
     if not nkeys or not nargs or nkeys < 0 or nargs < 0 or nkeys % 1 ~= 0 or nargs % 1 ~= 0
        or k + nkeys > #KEYS or a + 1 + nargs > #ARGV then
       return redis.error_reply('ERR aiolimit: bad batch layout at call ' .. c)
