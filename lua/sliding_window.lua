@@ -113,6 +113,16 @@ FACTORIES.sw = function()
     return name
   end
 
+  -- Parsing a field costs about as much as the rest of a decision (string.match, tonumber:
+  -- strtod). As a FUNCTION library, what the previous write of a field left is usually what
+  -- the next call reads, so sw_store files each state it writes under the text it wrote, and
+  -- a call that reads that exact text copies the parse instead (the parse is a function of
+  -- the text alone). A filed state is the live one of its call: it carries the text in
+  -- `stored`, which every change clears first (charge, refund), so a state changed after it
+  -- was filed (a later call of a batch, or one that failed before it wrote) is never used for
+  -- the old text. At most PARSED_SIZE states are filed; then the table starts again.
+  local PARSED, parsed_count, PARSED_SIZE = {}, 0, 2048
+
   local function sw_state(s, pair)
     local name = sw_field(pair)
     local cache = s.sw
@@ -122,8 +132,20 @@ FACTORIES.sw = function()
     end
     local b = cache[name]
     if not b then
-      b = {name = name}
       local raw = read_field(s, name)
+      local m = raw and PARSED[raw]
+      if m and m.stored == raw then
+        b = {name = name, base = m.base, c0 = m.c0, rest = m.rest, head = m.head,
+             head_base = m.head_base, head_c0 = m.head_c0, first_off = m.first_off,
+             first_c = m.first_c, last = m.last, colon = m.colon, newest = m.newest,
+             total = m.total, stored = raw}
+        cache[name] = b
+        return b
+      end
+      -- (every field named, so the table is made at its full size)
+      b = {name = name, base = nil, c0 = nil, rest = nil, head = nil, head_base = nil,
+           head_c0 = nil, first_off = nil, first_c = nil, last = nil, colon = nil,
+           newest = nil, total = nil, stored = nil}
       if raw then
         local head, base, c0, rest = string.match(raw, '^((%d+)|(%d+)|)(.+)$')
         if base then
@@ -144,7 +166,12 @@ FACTORIES.sw = function()
       if not head or b.head_base ~= b.base or b.head_c0 ~= b.c0 then
         head = fmt(b.base) .. '|' .. fmt(b.c0) .. '|'
       end
-      stage_set(s, b.name, head .. b.rest)
+      local value = head .. b.rest
+      stage_set(s, b.name, value)
+      if parsed_count >= PARSED_SIZE then PARSED, parsed_count = {}, 0 end
+      if not PARSED[value] then parsed_count = parsed_count + 1 end
+      b.head, b.head_base, b.head_c0, b.stored = head, b.base, b.c0, value
+      PARSED[value] = b
     else
       stage_del(s, b.name)
     end
@@ -222,6 +249,7 @@ FACTORIES.sw = function()
 
     charge = function(s, pair, now, weight)
       local b = sw_state(s, pair)
+      b.stored = nil  -- (changed from here on: no longer the parse of its filed text)
       local p, n, cur = sw_geometry(pair, now)
       sw_trim(b, cur - n)
       -- The newest record is rewritten or one appended; the tail fields follow without a parse.
@@ -247,6 +275,7 @@ FACTORIES.sw = function()
     -- is credited; without it the newest buckets are credited first. Never below zero.
     refund = function(s, pair, now, weight, at)
       local b = sw_state(s, pair)
+      b.stored = nil
       local p, n, cur = sw_geometry(pair, now)
       local count = sw_count(b, cur - n)
       if count == 0 then return end
