@@ -21,6 +21,7 @@ from importlib.resources import files
 from importlib.resources.abc import Traversable
 
 from aiolimit._decision import Decision, PairDecision
+from aiolimit._limits import BaseLimit
 from aiolimit._rules import IdentifierPlan
 
 #: One script argument (identifier blocks are pre-encoded bytes).
@@ -161,7 +162,55 @@ def reply_decision(call: Call, raw: Sequence[int]) -> Decision:
                 raw[0] == 1, remaining, 0.0 if pair_allowed else retry, reset, identifier,
                 limit, (pair,),
             )  # fmt: skip
-    return decision(decode(call, raw))
+    # Several pairs: decoded and merged in one pass (Decision.from_pairs's rules, on locals).
+    pairs: list[PairDecision] = []
+    append = pairs.append
+    at = REPLY_HEAD
+    merged = True  # every pair so far allows
+    remaining = bound_remaining = 0
+    reset = retry_bound = 0.0
+    bound_identifier: str | None = None
+    bound_limit: BaseLimit | None = None
+    for plan in plans:
+        identifier = plan.identifier
+        for limit in plan.limits:
+            pair_allowed = raw[at] == 1
+            pair_remaining = raw[at + 1]
+            retry_us = raw[at + 2]
+            reset_us = raw[at + 3]
+            retry = retry_us / 1_000_000 if retry_us > 0 else 0.0
+            pair_reset = reset_us / 1_000_000 if reset_us > 0 else 0.0
+            append(
+                _new_pair(
+                    PairDecision,
+                    (identifier, limit, pair_allowed, pair_remaining, retry, pair_reset),
+                )
+            )
+            if at == REPLY_HEAD:  # the first pair binds until another does
+                remaining, reset = pair_remaining, pair_reset
+                bound_identifier, bound_limit = identifier, limit
+                bound_remaining, retry_bound = pair_remaining, retry
+            else:
+                if pair_remaining < remaining:
+                    remaining = pair_remaining
+                if pair_reset > reset:
+                    reset = pair_reset
+            if not pair_allowed:
+                if merged or retry > retry_bound:
+                    bound_identifier, bound_limit = identifier, limit
+                    bound_remaining, retry_bound = pair_remaining, retry
+                merged = False
+            elif merged and pair_remaining < bound_remaining:
+                bound_identifier, bound_limit = identifier, limit
+                bound_remaining, retry_bound = pair_remaining, retry
+            at += REPLY_PER_PAIR
+    if not pairs:
+        return decision(decode(call, raw))
+    # The script's all-or-nothing verdict stands (a replayed refusal is a refusal).
+    return Decision(
+        raw[0] == 1, remaining, 0.0 if merged else retry_bound, reset, bound_identifier,
+        bound_limit, tuple(pairs),
+    )  # fmt: skip
 
 
 def allows(raw: Sequence[int]) -> bool:
