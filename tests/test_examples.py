@@ -80,7 +80,11 @@ async def test_outgoing_api_example_stays_within_the_third_partys_quota(redis_ur
 
 async def test_cluster_failover_example_keeps_counts_exact_through_a_killed_primary() -> None:
     """examples/cluster_failover.py: decisions across two slots go on after their primary is
-    killed; what is stored equals what was admitted; the other shard keeps deciding."""
+    killed; what is stored equals what was admitted; the other shard keeps deciding, every
+    decision of it admitted. (With Redis' default ``cluster-require-full-coverage yes`` every
+    primary answers CLUSTERDOWN from the moment the dead one is marked failed until its replica
+    is promoted, 0.6-1.4 s here, longer than the demo's 0.5 s deadline: one decision of the
+    other shard failed in about three runs of four.)"""
     spec = importlib.util.spec_from_file_location(
         "cluster_failover", EXAMPLES / "cluster_failover.py"
     )
@@ -90,8 +94,8 @@ async def test_cluster_failover_example_keeps_counts_exact_through_a_killed_prim
     counts = await module.run_cluster_demo(seconds=3.5)
     assert counts["admitted"] > 0 and counts["failed"] > 0  # the kill was felt, then survived
     assert counts["stored_first"] == counts["stored_second"] == counts["admitted"]
-    total = counts["bystander_admitted"] + counts["bystander_failed"]
-    assert counts["bystander_admitted"] >= 0.9 * total
+    assert counts["bystander_admitted"] > 0
+    assert counts["bystander_failed"] == 0
 
 
 async def test_aiohttp_example_limits_with_route_weights_and_one_field_set(
