@@ -143,3 +143,22 @@ async def test_lasting_errors_are_translated_at_once() -> None:
     with pytest.raises(ConfigurationError):
         await call_with_retries(not_a_cluster, deadline=started + 5, address="x")
     assert time.monotonic() - started < 0.1
+
+
+async def test_giving_up_names_the_error_the_cut_attempt_had_met() -> None:
+    """redis-py sleeps 0.25 s after a CLUSTERDOWN before it raises it; an attempt cut by the
+    deadline in that sleep failed because of the CLUSTERDOWN, and the message says so (it said
+    ``TimeoutError()``, as if the healthy node had not answered)."""
+
+    async def attempt() -> None:
+        try:
+            raise redis_errors.ClusterDownError("The cluster is down")
+        except redis_errors.ClusterDownError:
+            await asyncio.sleep(30)  # (redis-py's own pause, cut by the deadline)
+            raise
+
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable, match="ClusterDownError") as caught:
+        await call_with_retries(attempt, deadline=started + 0.2, address="x")
+    assert "deadline" in str(caught.value)
+    assert time.monotonic() - started < 0.3
