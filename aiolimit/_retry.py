@@ -53,6 +53,18 @@ def backoff(attempt: int) -> float:
     return base / 2 + random.random() * base / 2
 
 
+def _described(error: BaseException) -> str:
+    """``error`` for the give-up message. An attempt cut by the deadline (a ``TimeoutError``
+    from a cancellation) may have been cut while redis-py paused after an error it had met,
+    such as the 0.25 s it sleeps after a CLUSTERDOWN: that error is what kept the call from
+    succeeding, so it is named, not only the cut."""
+    cut = error.__cause__ if isinstance(error, TimeoutError) else None
+    met = cut.__context__ if isinstance(cut, asyncio.CancelledError) else None
+    if isinstance(met, Exception):
+        return f"{met!r}, then the deadline cut the attempt"
+    return repr(error)
+
+
 class RetryStatistics:
     """Counters of one store's retry loop (this process only)."""
 
@@ -89,7 +101,8 @@ async def call_with_retries(
                     statistics.gave_up += 1
                 raise BackendUnavailable(
                     f"store at {address} did not answer within the deadline "
-                    f"({failures} attempt{'s' if failures > 1 else ''}); last error: {error!r}"
+                    f"({failures} attempt{'s' if failures > 1 else ''}); "
+                    f"last error: {_described(error)}"
                 ) from error
             if statistics is not None:
                 statistics.retries += 1
