@@ -294,7 +294,18 @@ class Protocol:
                 slots = await self._enter(keys)
         else:
             keys = [plan.keys[0] for plan in plans]
-            slots = await self._enter(keys)
+            in_flight, queued = self._in_flight, self._queued
+            for key in keys:
+                if in_flight.get(key, 0) >= MAX_IN_FLIGHT or key in queued:
+                    slots = await self._enter(keys)
+                    break
+            else:
+                if len(set(keys)) == len(keys):
+                    for key in keys:  # (``_enter`` without a wait, written out)
+                        in_flight[key] = in_flight.get(key, 0) + 1
+                    slots = keys
+                else:
+                    slots = await self._enter(keys)
         try:
             op = self.ops.open(keys)
             try:

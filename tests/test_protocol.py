@@ -362,6 +362,39 @@ async def test_a_burst_on_one_identifier_leaves_max_in_flight_at_a_time() -> Non
     assert proto._in_flight == {} and proto._queued == {}
 
 
+async def test_a_burst_on_two_identifiers_respects_each_ones_cap() -> None:
+    """The same with two identifiers per call (``acquire`` takes both slots without waiting
+    when both are free, else waits in line): MAX_IN_FLIGHT at a time; and a call whose second
+    identifier is full waits, while a call on its first alone goes."""
+    slots = HeldSlots()
+    rules = Rules([Limit(10**6, per=60)], "p")
+    proto = protocol(slots)
+    pair = rules.plans(["a", "b"])
+    burst = [asyncio.ensure_future(proto.acquire(pair, 1)) for _ in range(200)]
+    await _until(lambda: slots.running.get("a") == MAX_IN_FLIGHT)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert slots.running["a"] == MAX_IN_FLIGHT
+    assert proto.statistics.waited_in_flight == 200 - MAX_IN_FLIGHT
+    slots.let(10**4)  # (a check and a commit per slot each)
+    assert all(d.allowed for d in await asyncio.gather(*burst))
+    assert slots.most["a"] == MAX_IN_FLIGHT
+    assert proto._in_flight == {} and proto._queued == {}
+
+    slots.permits = asyncio.Semaphore(0)  # (the permits left over)
+    full = [
+        asyncio.ensure_future(proto.acquire([rules.plan("b")], 1)) for _ in range(MAX_IN_FLIGHT)
+    ]
+    await _until(lambda: slots.running.get("b") == MAX_IN_FLIGHT)
+    blocked = asyncio.ensure_future(proto.acquire(rules.plans(["c", "b"]), 1))
+    alone = asyncio.ensure_future(proto.acquire([rules.plan("c")], 1))
+    await _until(lambda: slots.running.get("c") == 1)
+    assert len(proto._queued.get(rules.plan("b").keys[0], ())) == 1  # (the pair, on "b")
+    slots.let(10**4)
+    assert all(d.allowed for d in await asyncio.gather(*full, blocked, alone))
+    assert proto._in_flight == {} and proto._queued == {}
+
+
 async def test_callers_cancelled_in_line_give_their_place_up() -> None:
     """Callers cancelled while they wait in line (one of them just as a slot was handed to
     it) charge nothing, hold nothing, and the callers behind them still get through."""
