@@ -143,7 +143,12 @@ end
 
 -- This client's ledger in main key s: its horizon, and its entries as text. The entries are
 -- never parsed one by one on the common path: a call's cost must not grow with the ops in
--- flight on an identifier (searches and copies of the text run in C).
+-- flight on an identifier (searches and copies of the text run in C). `single` is the stamp
+-- of the one entry the entries hold, when that is known without a parse (nil: not known).
+-- As a FUNCTION library, a ledger op_record writes is filed under the text it wrote, as
+-- sliding_window.lua files its states (see PARSED there): a call that reads that exact text
+-- copies it instead of parsing it. `stored` holds the text; op_record clears it first.
+local LEDGERS, ledgers_filed, LEDGERS_SIZE = {}, 0, 2048
 local function ledger(s)
   local ledgers = s.ledgers
   if not ledgers then
@@ -158,12 +163,18 @@ local function ledger(s)
     end
     return l
   end
-  l = {name = op_field, horizon = 0, entries = '', looked = false, at = nil, seq = call_seq}
+  l = {name = op_field, horizon = 0, entries = '', looked = false, at = nil, seq = call_seq,
+       single = nil, stored = nil}
   local raw = read_field(s, op_field)
   if raw then
-    local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
-    l.horizon = tonumber(horizon) or 0
-    l.entries = entries or ''
+    local filed = LEDGERS[raw]
+    if filed and filed.stored == raw then
+      l.horizon, l.entries, l.single, l.stored = filed.horizon, filed.entries, filed.single, raw
+    else
+      local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
+      l.horizon = tonumber(horizon) or 0
+      l.entries = entries or ''
+    end
   else
     s.new_ledger = call_seq  -- this call writes a client's first ledger here: prune (flush)
   end
@@ -175,6 +186,10 @@ end
 -- (nothing). Looked up once per ledger and call, until op_record changes the entries.
 local function ledger_at(l)
   if l.looked then return l.at end
+  if l.single and l.single ~= op_stamp then  -- (its one entry is another op's)
+    l.looked, l.at = true, nil
+    return nil
+  end
   local entries = l.entries
   local from = 1
   local at
@@ -238,22 +253,35 @@ local function op_record(s, time)
   if time then when = fmt_time(time) end
   local entry = op_entry .. when
   local entries = l.entries
+  local single = l.single
+  l.stored = nil  -- (changed from here on: no longer the parse of its filed text)
+  -- What the cut below would leave, known without it when this op's stamp is above the
+  -- horizon (always but for an undo on a key where the op is settled already) and the entries
+  -- were empty or held one entry of a known stamp (never this op's: ledger_at found none).
+  local known = false
   if ledger_at(l) ~= nil then
     local text = string.gsub(',' .. entries .. ',', ',' .. op_entry .. '[%d-]+,',
                              ',' .. entry .. ',', 1)
     entries = string.sub(text, 2, -2)
   elseif entries == '' then
     entries = entry
+    known = op_stamp > horizon
   else
-    entries = entries .. ',' .. entry
+    if single and op_stamp > horizon then
+      known = true
+      if single <= horizon then entries = '' end
+    end
+    if entries == '' then entries = entry else entries = entries .. ',' .. entry end
   end
-  local cut = 1
-  while true do
-    local _, last, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
-    if not last or tonumber(stamp) > horizon then break end
-    cut = last + 1
+  if not known then
+    local cut = 1
+    while true do
+      local _, last, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
+      if not last or tonumber(stamp) > horizon then break end
+      cut = last + 1
+    end
+    if cut > 1 then entries = string.sub(entries, cut) end
   end
-  if cut > 1 then entries = string.sub(entries, cut) end
   if #entries > OP_KEEP_BYTES then
     local open = {}
     for value in string.gmatch(op_open_text, '%d+') do open[tonumber(value)] = true end
@@ -275,7 +303,14 @@ local function op_record(s, time)
     entries = table.concat(text, ',')
   end
   l.horizon, l.entries, l.looked = horizon, entries, false
-  stage_set(s, l.name, fmt_time(now) .. ';' .. fmt(horizon) .. ';' .. entries)
+  local value = fmt_time(now) .. ';' .. fmt(horizon) .. ';' .. entries
+  stage_set(s, l.name, value)
+  l.single = nil
+  if entries == entry then l.single = op_stamp end
+  if ledgers_filed >= LEDGERS_SIZE then LEDGERS, ledgers_filed = {}, 0 end
+  if not LEDGERS[value] then ledgers_filed = ledgers_filed + 1 end
+  l.stored = value
+  LEDGERS[value] = l
   if time == false then want_ttl(s, OP_TOMBSTONE_MS) end
 end
 
@@ -495,7 +530,11 @@ local function decide(KEYS, ARGV, batch)
     end
     if client ~= op_client_seen then op_client_seen, op_field_seen = client, 'o:' .. client end
     op_field = op_field_seen
-    op_entry = fmt(op_stamp) .. '@'
+    if #stamp <= 15 and string.byte(stamp, 1) ~= 48 then  -- 48: '0'
+      op_entry = stamp .. '@'  -- (the text fmt(op_stamp) makes, without string.format)
+    else
+      op_entry = fmt(op_stamp) .. '@'
+    end
     op = id
   end
 

@@ -1,7 +1,7 @@
-"""The sliding window's parse memo (lua/sliding_window.lua, PARSED): as a FUNCTION library the
-script files each window state it writes under the text it wrote, and a call that reads that
-exact text copies the parse. Its promise: nothing a call decides or stores differs from a fresh
-parse of the text it read.
+"""The parse memos (lua/sliding_window.lua's PARSED, lua/decide.lua's LEDGERS): as a FUNCTION
+library the script files each window state and op ledger it writes under the text it wrote,
+and a call that reads that exact text copies the parse. Its promise: nothing a call decides or
+stores differs from a fresh parse of the text it read.
 
 The reference is the same code run with EVAL, one call at a time: there the functions (and the
 memo) are built anew for every call, so every field is parsed from its text. The memo side runs
@@ -34,11 +34,12 @@ IDENTIFIERS = ("ip:a", "ip:b", "user:c")
 
 def _workload(prefix: str, seed: int, count: int) -> list[Call | tuple[str, int, int]]:
     """Calls over one or two identifiers (every mode that writes a window, weights 0 to 4,
-    undos of earlier ops, times moving -50 to +300 ms), and ("restore", i, j): set identifier
+    two clients' ops, some naming older ones open, undos of earlier ops, times moving -50 to
+    +300 ms), and ("restore", i, j): set identifier
     i's main key back to the text it held after step j (recorded as the workload runs)."""
     rng = random.Random(seed)
     limiter = Limiter("memory://", LIMITS, prefix=prefix)
-    stamp = 0
+    stamps = {"c1": 0, "c2": 0}
     done: list[str] = []
     now = T0
     steps: list[Call | tuple[str, int, int]] = []
@@ -56,12 +57,18 @@ def _workload(prefix: str, seed: int, count: int) -> list[Call | tuple[str, int,
         elif roll < 0.3:
             steps.append(encode(rng.choice((Mode.CHECK, Mode.PEEK)), plans, weight, now, 0))
         else:
-            stamp += 1
-            op = f"c1:{stamp}:"
+            client = rng.choice(("c1", "c1", "c2"))
+            stamps[client] += 1
+            stamp = stamps[client]
+            # (now and then older ops named open: the ledger then keeps several entries)
+            opened = sorted(rng.sample(range(max(1, stamp - 5), stamp), min(stamp - 1, 2)))
+            if rng.random() < 0.7:
+                opened = []
+            op = f"{client}:{stamp}:{','.join(map(str, opened))}"
             mode = Mode.REFUND if roll < 0.42 else Mode.ACQUIRE
             steps.append(encode(mode, plans, weight, now, 0, op, penalty=rng.random() < 0.1))
             if mode is Mode.ACQUIRE:
-                done.append(f"c1:{stamp}")
+                done.append(f"{client}:{stamp}")
     return steps
 
 
