@@ -564,6 +564,76 @@ async def test_commit_stuck_on_a_stopped_node_is_undone_on_the_others(
         await proxies.aclose()
 
 
+@pytest.mark.parametrize("fault", ["request lost", "reply lost"])
+async def test_a_failed_refund_is_finished_once_when_the_store_answers(
+    standalone_proxy: Proxy, prefix: str, fault: str
+) -> None:
+    """A refund whose request is lost (the proxy drops every byte until after its deadline)
+    or whose reply is (the server ran it) raises; it is sent again in the background with
+    the same op once the server is reachable, and lands exactly once: 3 charged - 2 = 1."""
+    limiter = Limiter(standalone_proxy.url, [ROOMY], prefix=prefix, deadline=DEADLINE)
+    try:
+        for _ in range(3):
+            assert told_admitted(await limiter.try_acquire("ip:203.0.113.7"))
+        if fault == "request lost":
+            standalone_proxy.partition()
+        else:
+            standalone_proxy.delay = DEADLINE * 2.5
+        outcome = await _outcome(limiter.refund("ip:203.0.113.7", 2))
+        assert isinstance(outcome, BackendError), outcome
+        await asyncio.sleep(DEADLINE)
+        standalone_proxy.heal()
+        standalone_proxy.delay = 0.0
+        converged, stored = await settle(
+            lambda: charged(standalone_proxy.url, prefix, "ip:203.0.113.7"), 1
+        )
+        assert converged, f"stored {stored} for 3 admitted and 2 refunded"
+        await asyncio.sleep(0.5)  # (a second landing would show now)
+        assert await charged(standalone_proxy.url, prefix, "ip:203.0.113.7") == 1
+    finally:
+        standalone_proxy.heal()
+        standalone_proxy.delay = 0.0
+        await limiter.aclose()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+async def test_a_refund_cut_off_on_one_slot_is_finished_there_once(
+    calm_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """Two slots: a refund credits A while B's node is cut off (its proxy drops every byte)
+    past the refund's deadline. The caller is told it failed; once B is reachable the refund
+    is finished there, once, and A (which replays) is not credited twice."""
+    nodes = calm_cluster
+    a, b = two_primaries(nodes, prefix)
+    proxies = await Proxies().start((node.host, node.port) for node in nodes.nodes)
+    proxy_b = proxies[owner(nodes, prefix, b).port]
+    client = proxied_client(nodes, proxies)
+    limiter = Limiter(client, [SMALL], prefix=prefix, deadline=1.0)
+    try:
+        for _ in range(3):
+            assert told_admitted(await limiter.try_acquire([a, b]))
+        proxy_b.partition()
+        outcome = await _outcome(limiter.refund([a, b], 2))
+        assert isinstance(outcome, BackendError), outcome
+        assert await charged(nodes.url, prefix, a, SMALL) == 1
+        assert await charged(nodes.url, prefix, b, SMALL) == 3
+        proxy_b.heal()
+        converged, stored_b = await settle(
+            lambda: charged(nodes.url, prefix, b, SMALL), 1, within=15.0
+        )
+        assert converged, f"B holds {stored_b}: 3 charged, 2 refunded"
+        await asyncio.sleep(0.5)
+        assert await charged(nodes.url, prefix, a, SMALL) == 1
+        assert await charged(nodes.url, prefix, b, SMALL) == 1
+    finally:
+        for proxy in proxies.by_target.values():
+            proxy.heal()
+        await limiter.aclose()
+        await client.aclose()
+        await proxies.aclose()
+
+
 UNDO_OUTAGE = 7.0  # longer than the 5 s an undo is given today
 
 
