@@ -195,6 +195,7 @@ class Protocol:
         self.ops = OpLedger()
         self.statistics = ProtocolStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False  # (aclose has begun: no new background work)
         self._release_waiters: set[asyncio.Future[None]] = set()
         # Charging calls in flight per main key, and the calls waiting for one of them.
         self._in_flight: dict[str, int] = {}
@@ -412,19 +413,44 @@ class Protocol:
 
     async def refund(self, plans: Sequence[IdentifierPlan], weight: int) -> Decision:
         """Gives ``weight`` back on every pair, once (a resent copy replays). A refund once
-        started finishes even if its caller is cancelled."""
+        started finishes even if its caller is cancelled. One that fails (the deadline, a
+        store error) may have been applied, whole or on some slots, or not at all: it is sent
+        again in the background, with the same op, until the store answers (a slot that
+        applied it replays), so it lands once on every pair; its op stays open till then."""
         keys = [plan.keys[0] for plan in plans]
         slots = await self._enter(keys)
         op = self.ops.open(keys)
 
         async def refund() -> Decision:
+            finishing = False
             try:
                 return await self.decide(REFUND, plans, weight, op)
+            except BaseException:  # (the deadline cancels this task: CancelledError here)
+                if not self._closing:
+                    finishing = True
+                    self._spawn(self._finish_refund(plans, weight, op, keys))
+                raise
             finally:
-                self.ops.settle(keys, op)
+                if not finishing:
+                    self.ops.settle(keys, op)
                 self._leave(slots)
 
         return await self._shielded(refund(), own_budget=False)
+
+    async def _finish_refund(
+        self, plans: Sequence[IdentifierPlan], weight: int, op: Op, keys: Sequence[str]
+    ) -> None:
+        """Sends a failed refund again until the store answers (``undo_patience`` at most);
+        then its op is settled."""
+        try:
+            finished = await self._until_answered(
+                lambda: self.decide(REFUND, plans, weight, op), f"refunding op {op.id}",
+                failed=True,
+            )  # fmt: skip
+            if not finished:
+                self.statistics.compensation_errors += 1
+        finally:
+            self.ops.settle(keys, op)
 
     async def _two_phase(
         self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, now_us: int | None,
@@ -590,6 +616,7 @@ class Protocol:
     async def aclose(self, grace: float = UNDO_BUDGET) -> None:
         """Waits up to ``grace`` seconds for the undos and releases still running, then stops them
         (their ops stay charged if they ran: the store never answered)."""
+        self._closing = True
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=grace)
         for task in list(self._tasks):
