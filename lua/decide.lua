@@ -148,7 +148,10 @@ end
 -- As a FUNCTION library, a ledger op_record writes is filed under the text it wrote, as
 -- sliding_window.lua files its states (see PARSED there): a call that reads that exact text
 -- copies it instead of parsing it. `stored` holds the text; op_record clears it first.
+-- At most LEDGERS_SIZE ledgers, or LEDGERS_BYTES of text, are filed (a stuck op's ledger
+-- grows to OP_KEEP_BYTES, and each is held twice: as the key and as `entries`).
 local LEDGERS, ledgers_filed, LEDGERS_SIZE = {}, 0, 2048
+local ledgers_bytes, LEDGERS_BYTES = 0, 1048576
 local function ledger(s)
   local ledgers = s.ledgers
   if not ledgers then
@@ -307,8 +310,12 @@ local function op_record(s, time)
   stage_set(s, l.name, value)
   l.single = nil
   if entries == entry then l.single = op_stamp end
-  if ledgers_filed >= LEDGERS_SIZE then LEDGERS, ledgers_filed = {}, 0 end
-  if not LEDGERS[value] then ledgers_filed = ledgers_filed + 1 end
+  if ledgers_filed >= LEDGERS_SIZE or ledgers_bytes >= LEDGERS_BYTES then
+    LEDGERS, ledgers_filed, ledgers_bytes = {}, 0, 0
+  end
+  if not LEDGERS[value] then
+    ledgers_filed, ledgers_bytes = ledgers_filed + 1, ledgers_bytes + #value
+  end
   l.stored = value
   LEDGERS[value] = l
   if time == false then want_ttl(s, OP_TOMBSTONE_MS) end

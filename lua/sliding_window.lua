@@ -120,8 +120,11 @@ FACTORIES.sw = function()
   -- the text alone). A filed state is the live one of its call: it carries the text in
   -- `stored`, which every change clears first (charge, refund), so a state changed after it
   -- was filed (a later call of a batch, or one that failed before it wrote) is never used for
-  -- the old text. At most PARSED_SIZE states are filed; then the table starts again.
+  -- the old text. At most PARSED_SIZE states, or PARSED_BYTES of text, are filed; then the
+  -- table starts again. (A state holds its text twice, as the key and as `rest`: without the
+  -- byte bound a hot window of MAX_BUCKETS buckets, ~130 KB a text, kept ~500 MB alive.)
   local PARSED, parsed_count, PARSED_SIZE = {}, 0, 2048
+  local parsed_bytes, PARSED_BYTES = 0, 1048576
 
   local function sw_state(s, pair)
     local name = sw_field(pair)
@@ -168,8 +171,12 @@ FACTORIES.sw = function()
       end
       local value = head .. b.rest
       stage_set(s, b.name, value)
-      if parsed_count >= PARSED_SIZE then PARSED, parsed_count = {}, 0 end
-      if not PARSED[value] then parsed_count = parsed_count + 1 end
+      if parsed_count >= PARSED_SIZE or parsed_bytes >= PARSED_BYTES then
+        PARSED, parsed_count, parsed_bytes = {}, 0, 0
+      end
+      if not PARSED[value] then
+        parsed_count, parsed_bytes = parsed_count + 1, parsed_bytes + #value
+      end
       b.head, b.head_base, b.head_c0, b.stored = head, b.base, b.c0, value
       PARSED[value] = b
     else
