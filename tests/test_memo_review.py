@@ -5,6 +5,10 @@
    MAX_BUCKETS buckets (~130 KB of text) or a ledger behind a stuck op (up to OP_KEEP_BYTES)
    writes a new text on every call, so a hot identifier alone filled the FUNCTION VM with
    hundreds of MB that, before the memos, were garbage at the end of each call.
+2. Texts the script writes but cannot read back (a negative `now`, a window field edited to a
+   bucket ahead of the clock, a record past the 64 bytes the tail parse looks at): a fresh
+   parse fails or reads something else, while the filed state was used as if it were the
+   text's parse.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from aiolimit import Limit, Limiter
-from aiolimit._calls import Call, Mode, decide_library, encode
+from aiolimit._calls import Call, Mode, decide_library, decide_script, encode
 from cluster import Standalone
 
 T0 = 1_700_000_000_000_000
@@ -78,3 +83,88 @@ async def test_a_stuck_ops_ledger_does_not_fill_the_function_vm(own: Redis) -> N
     assert all(reply[0] == 1 for reply in replies)
     held = await _vm_bytes(own)
     assert held < 24 * 2**20, f"the FUNCTION VM holds {held / 2**20:.0f} MB"
+
+
+async def _both(server: Redis, prefix: str, steps: list[tuple[str, Any]]) -> None:
+    """Runs ``steps`` twice, under ``<prefix>e`` with EVAL (a fresh parse of every text) and
+    under ``<prefix>f`` with FCALL of the library (the memos), and compares every reply and
+    the stored fields. A step is ("call", (mode, weight, now, op)) on identifier "i" under
+    one sliding window, or ("set", {field: text}) on its main key."""
+    limiter = {side: Limiter("memory://", [WINDOW], prefix=f"{prefix}{side}") for side in "ef"}
+    got: dict[str, list[Any]] = {"e": [], "f": []}
+    for side in "ef":
+        plans = limiter[side]._rules.plans("i")
+        key = plans[0].keys[0]
+        for kind, what in steps:
+            if kind == "set":
+                await server.hset(key, mapping=what)
+                continue
+            mode, weight, now, op = what
+            call = encode(mode, plans, weight, now, SLACK, op)
+            try:
+                if side == "e":
+                    source = decide_script().source
+                    reply = await server.eval(source, len(call.keys), *call.keys, *call.args)
+                else:
+                    function = decide_library().function
+                    reply = await server.execute_command(
+                        "FCALL", function, len(call.keys), *call.keys, *call.args
+                    )
+            except ResponseError:
+                reply = "error"
+            got[side].append((reply, await server.hgetall(key)))
+    for at, (fresh, memo) in enumerate(zip(got["e"], got["f"], strict=True)):
+        assert memo == fresh, (at, "fresh:", fresh, "memo:", memo)
+
+
+WINDOW = Limit(1_000_000, per=10, precision=1)
+FIELD = "w10000000/1000000"
+
+
+async def test_a_ledger_written_at_a_negative_now_is_read_as_a_fresh_parse_reads_it(
+    server: Redis, prefix: str
+) -> None:
+    # The script takes any number for now. At -5 its ledger is "-5;0;1@0", which a fresh
+    # parse cannot read (the op is then new), while the memo had filed it: the resent op
+    # replays under FCALL but charges again under EVAL.
+    await _both(
+        server,
+        prefix,
+        [("call", (Mode.ACQUIRE, 1, -5, "c:1:")), ("call", (Mode.ACQUIRE, 1, 10, "c:1:"))],
+    )
+
+
+async def test_a_window_edited_ahead_of_the_clock_is_read_as_a_fresh_parse_reads_it(
+    server: Redis, prefix: str
+) -> None:
+    # A field whose base is a bucket the key's clock has not reached (edited by hand, or
+    # another window's text): the charge appends a record at a negative offset, a text a
+    # fresh parse fails on; the memo used the state it had filed for that text.
+    bucket = T0 // 1_000_000
+    await _both(
+        server,
+        prefix,
+        [
+            ("set", {FIELD: f"{bucket + 5}|0|0:1", "t": T0}),
+            ("call", (Mode.ACQUIRE, 1, T0 + 1, "")),
+            ("call", (Mode.CHECK, 1, T0 + 2, "")),
+        ],
+    )
+
+
+async def test_a_window_record_past_64_bytes_is_read_as_a_fresh_parse_reads_it(
+    server: Redis, prefix: str
+) -> None:
+    # The newest record is read from the last 64 bytes of the text. One written with leading
+    # zeros grows past them when its count gains a digit: a fresh parse of that text fails.
+    bucket = T0 // 1_000_000
+    newest = "0" * 61 + "5:9"
+    await _both(
+        server,
+        prefix,
+        [
+            ("set", {FIELD: f"{bucket - 5}|0|1:1,{newest}", "t": T0}),
+            ("call", (Mode.ACQUIRE, 1, T0 + 1, "")),
+            ("call", (Mode.CHECK, 1, T0 + 2, "")),
+        ],
+    )
