@@ -309,15 +309,20 @@ local function op_record(s, time)
   local value = fmt_time(now) .. ';' .. fmt(horizon) .. ';' .. entries
   stage_set(s, l.name, value)
   l.single = nil
-  if entries == entry then l.single = op_stamp end
-  if ledgers_filed >= LEDGERS_SIZE or ledgers_bytes >= LEDGERS_BYTES then
-    LEDGERS, ledgers_filed, ledgers_bytes = {}, 0, 0
+  -- (a stamp past 2^63 is written with a "-" by fmt: the front cut cannot read its entry)
+  if entries == entry and op_stamp < 2 ^ 63 then l.single = op_stamp end
+  -- Filed only when a parse of the text gives this ledger: fmt wrote now and the horizon
+  -- as digits (a negative or huge now, sent as such, would not read back).
+  if now >= 0 and now < 2 ^ 63 and horizon < 2 ^ 63 then
+    if ledgers_filed >= LEDGERS_SIZE or ledgers_bytes >= LEDGERS_BYTES then
+      LEDGERS, ledgers_filed, ledgers_bytes = {}, 0, 0
+    end
+    if not LEDGERS[value] then
+      ledgers_filed, ledgers_bytes = ledgers_filed + 1, ledgers_bytes + #value
+    end
+    l.stored = value
+    LEDGERS[value] = l
   end
-  if not LEDGERS[value] then
-    ledgers_filed, ledgers_bytes = ledgers_filed + 1, ledgers_bytes + #value
-  end
-  l.stored = value
-  LEDGERS[value] = l
   if time == false then want_ttl(s, OP_TOMBSTONE_MS) end
 end
 

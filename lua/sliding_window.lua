@@ -171,14 +171,24 @@ FACTORIES.sw = function()
       end
       local value = head .. b.rest
       stage_set(s, b.name, value)
-      if parsed_count >= PARSED_SIZE or parsed_bytes >= PARSED_BYTES then
-        PARSED, parsed_count, parsed_bytes = {}, 0, 0
-      end
-      if not PARSED[value] then
-        parsed_count, parsed_bytes = parsed_count + 1, parsed_bytes + #value
-      end
       b.head, b.head_base, b.head_c0, b.stored = head, b.base, b.c0, value
-      PARSED[value] = b
+      -- Filed only when a parse of the text would give this state: every number fmt wrote
+      -- is in [0, 2^63) (else it printed a "-"), and the newest record is a whole one within
+      -- the last 64 bytes, where sw_tail looks. (A field edited by hand, or far-fetched
+      -- arguments, can break either: a later call must then fail or read as a fresh parse.)
+      if b.base >= 0 and b.newest >= b.base and b.newest < 2 ^ 63 and b.c0 < 2 ^ 63
+         and b.total < 2 ^ 63
+         and (b.last == 1 or #b.rest - b.last < 64) then
+        if parsed_count >= PARSED_SIZE or parsed_bytes >= PARSED_BYTES then
+          PARSED, parsed_count, parsed_bytes = {}, 0, 0
+        end
+        if not PARSED[value] then
+          parsed_count, parsed_bytes = parsed_count + 1, parsed_bytes + #value
+        end
+        PARSED[value] = b
+      else
+        b.stored = nil
+      end
     else
       stage_del(s, b.name)
     end
