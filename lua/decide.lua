@@ -569,6 +569,9 @@ local function decide(KEYS, ARGV, batch)
     end
     if s.listed ~= call_seq then
       s.listed = call_seq
+      -- (the TTL a key wants is this call's: one that asked without writing the key, a
+      -- renew, left its want on the key, and flush resets only the keys it wrote)
+      s.ttl_ms = 0
       nmains = nmains + 1
       MAINS[nmains] = s
     end
