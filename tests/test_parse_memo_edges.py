@@ -1,4 +1,4 @@
-"""Review of the parse memos (lua/sliding_window.lua's PARSED, lua/decide.lua's LEDGERS).
+"""The parse memos at their edges (lua/sliding_window.lua's PARSED, lua/decide.lua's LEDGERS).
 
 1. What the memos keep alive: they hold up to 2048 filed states whatever their size, and a
    state holds its text twice (the key, and the parse's own `rest`/`entries`). A window of
