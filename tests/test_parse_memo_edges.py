@@ -195,3 +195,34 @@ async def test_a_renew_in_a_batch_leaves_no_ttl_to_the_next_call(
             replies = await _many(server, calls[:1]) + await _many(server, calls[1:])
         results[side] = (replies, await server.hget(plans[0].keys[0], "x"))
     assert results["b"] == results["a"]
+
+
+async def test_a_ledger_set_back_to_an_older_text_is_read_as_that_text(
+    server: Redis, prefix: str
+) -> None:
+    # One batch charges ops 1 and 2 of client c on one key: the ledger text after op 1 (V1)
+    # is filed, and the same ledger then records op 2 (filed again, under V2). The key is
+    # then set back to V1 (a replica promoted without the last write, a RESTORE), and op 2
+    # is sent again: V1 has no op 2, so it charges, as a fresh parse of V1 says. (Read as the
+    # ledger filed under V1, which op 2 changed since, it would replay and charge nothing.)
+    from test_decide_many import _many
+
+    limiter = Limiter("memory://", [WINDOW], prefix=prefix)
+    plans = limiter._rules.plans("i")
+    key = plans[0].keys[0]
+    first = encode(Mode.ACQUIRE, plans, 1, T0, SLACK, "c:1:")
+    second = encode(Mode.ACQUIRE, plans, 1, T0 + 1_000, SLACK, "c:2:")
+    # V1 and the window after op 1, as a lone call writes them (on a key of their own)
+    other = Limiter("memory://", [WINDOW], prefix=f"{prefix}v")._rules.plans("i")
+    function = decide_library().function
+    alone = encode(Mode.ACQUIRE, other, 1, T0, SLACK, "c:1:")
+    await server.execute_command("FCALL", function, 1, *alone.keys, *alone.args)
+    after_first = await server.hgetall(other[0].keys[0])
+    assert [reply[0] for reply in await _many(server, [first, second])] == [1, 1]
+    await server.delete(key)
+    await server.hset(key, mapping=after_first)  # type: ignore[arg-type]
+    again = await server.execute_command("FCALL", function, 1, *second.keys, *second.args)
+    assert again[:2] == [1, 0]  # applied now, not a replay
+    peek = encode(Mode.PEEK, plans, 1, T0 + 2_000, SLACK)
+    left = await server.execute_command("FCALL", function, 1, *peek.keys, *peek.args)
+    assert left[4] == WINDOW.amount - 2  # ops 1 and 2, each once
