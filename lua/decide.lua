@@ -149,9 +149,13 @@ end
 -- sliding_window.lua files its states (see PARSED there): a call that reads that exact text
 -- copies it instead of parsing it. `stored` holds the text; op_record clears it first.
 -- At most LEDGERS_SIZE ledgers, or LEDGERS_BYTES of text, are filed (a stuck op's ledger
--- grows to OP_KEEP_BYTES, and each is held twice: as the key and as `entries`).
-local LEDGERS, ledgers_filed, LEDGERS_SIZE = {}, 0, 2048
-local ledgers_bytes, LEDGERS_BYTES = 0, 1048576
+-- grows to OP_KEEP_BYTES, and each is held twice: as the key and as `entries`). A ledger's
+-- text is its key's own (stamps), so only the keys written in the last LEDGERS_SIZE ledger
+-- writes hit: the busy ones. The bound is small on purpose: what the memos keep alive, Redis'
+-- GC step after every 50 script calls walks, and a lone FCALL paid ~25 % more server time
+-- with 2048 of each filed (bench.bench --concurrency 1) than with 512 ledgers and 256 states.
+local LEDGERS, ledgers_filed, LEDGERS_SIZE = {}, 0, 512
+local ledgers_bytes, LEDGERS_BYTES = 0, 262144
 local function ledger(s)
   local ledgers = s.ledgers
   if not ledgers then
