@@ -596,6 +596,35 @@ async def test_a_failed_refund_is_finished_once_when_the_store_answers(
         await limiter.aclose()
 
 
+async def test_a_refund_on_a_stopped_server_resumed_late_lands_once(
+    fresh_standalone: cluster.Standalone, prefix: str
+) -> None:
+    """The server is SIGSTOPped while a refund is sent: the caller is told it failed at its
+    deadline, and the background resends queue up behind it. Resumed well after, the server
+    runs the first copy and every resend of it: the refund lands once (3 charged - 2 = 1)."""
+    limiter = Limiter(
+        fresh_standalone.url, [ROOMY], prefix=prefix, deadline=DEADLINE, failure_threshold=1000
+    )
+    try:
+        for _ in range(3):
+            assert told_admitted(await limiter.try_acquire("ip:203.0.113.7"))
+        fresh_standalone.pause()
+        try:
+            outcome = await _outcome(limiter.refund("ip:203.0.113.7", 2))
+            assert isinstance(outcome, BackendError), outcome
+            await asyncio.sleep(1.5)  # (resends queue up on the stopped server meanwhile)
+        finally:
+            fresh_standalone.resume()
+        converged, stored = await settle(
+            lambda: charged(fresh_standalone.url, prefix, "ip:203.0.113.7"), 1
+        )
+        assert converged, f"stored {stored} for 3 admitted and 2 refunded"
+        await asyncio.sleep(0.5)  # (a second landing would show now)
+        assert await charged(fresh_standalone.url, prefix, "ip:203.0.113.7") == 1
+    finally:
+        await limiter.aclose()
+
+
 @pytest.mark.cluster
 @pytest.mark.slow
 async def test_a_refund_cut_off_on_one_slot_is_finished_there_once(
