@@ -15,6 +15,7 @@ the decisions that were reported admitted. Real servers only; network faults go 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -518,6 +519,25 @@ def on_nth_script_call(proxy: Proxy, nth: int, action: Any) -> list[Link]:
     return fired
 
 
+@contextlib.asynccontextmanager
+async def proxied_limiter(
+    nodes: cluster.Cluster, prefix: str
+) -> AsyncIterator[tuple[Proxies, Limiter]]:
+    """A limiter (``SMALL``, 1 s deadline) on ``nodes``, every node reached through a proxy of
+    its own; on the way out every proxy is healed and all of it closed."""
+    proxies = await Proxies().start((node.host, node.port) for node in nodes.nodes)
+    client = proxied_client(nodes, proxies)
+    limiter = Limiter(client, [SMALL], prefix=prefix, deadline=1.0)
+    try:
+        yield proxies, limiter
+    finally:
+        for proxy in proxies.by_target.values():
+            proxy.heal()
+        await limiter.aclose()
+        await client.aclose()
+        await proxies.aclose()
+
+
 async def fill(nodes: cluster.Cluster, prefix: str, identifier: str) -> None:
     """Another client takes all of ``identifier``'s room (told admitted: it stays charged)."""
     async with Limiter(nodes.url, [SMALL], prefix=prefix, deadline=5.0) as other:
@@ -635,11 +655,8 @@ async def test_a_refund_cut_off_on_one_slot_is_finished_there_once(
     is finished there, once, and A (which replays) is not credited twice."""
     nodes = calm_cluster
     a, b = two_primaries(nodes, prefix)
-    proxies = await Proxies().start((node.host, node.port) for node in nodes.nodes)
-    proxy_b = proxies[owner(nodes, prefix, b).port]
-    client = proxied_client(nodes, proxies)
-    limiter = Limiter(client, [SMALL], prefix=prefix, deadline=1.0)
-    try:
+    async with proxied_limiter(nodes, prefix) as (proxies, limiter):
+        proxy_b = proxies[owner(nodes, prefix, b).port]
         for _ in range(3):
             assert told_admitted(await limiter.try_acquire([a, b]))
         proxy_b.partition()
@@ -655,12 +672,6 @@ async def test_a_refund_cut_off_on_one_slot_is_finished_there_once(
         await asyncio.sleep(0.5)
         assert await charged(nodes.url, prefix, a, SMALL) == 1
         assert await charged(nodes.url, prefix, b, SMALL) == 1
-    finally:
-        for proxy in proxies.by_target.values():
-            proxy.heal()
-        await limiter.aclose()
-        await client.aclose()
-        await proxies.aclose()
 
 
 UNDO_OUTAGE = 7.0  # longer than the 5 s an undo is given today
@@ -677,11 +688,8 @@ async def test_undo_cut_off_longer_than_its_budget_converges(
     nodes = calm_cluster
     a, b = two_primaries(nodes, prefix)
     node_a, node_b = owner(nodes, prefix, a), owner(nodes, prefix, b)
-    proxies = await Proxies().start((node.host, node.port) for node in nodes.nodes)
-    proxy_a = proxies[node_a.port]
-    client = proxied_client(nodes, proxies)
-    limiter = Limiter(client, [SMALL], prefix=prefix, deadline=1.0)
-    try:
+    async with proxied_limiter(nodes, prefix) as (proxies, limiter):
+        proxy_a = proxies[node_a.port]
         await limiter.peek([a, b])
 
         async def cut_off_a_after_its_reply(link: Link, data: bytes) -> None:
@@ -708,12 +716,6 @@ async def test_undo_cut_off_longer_than_its_budget_converges(
         )
         assert converged, f"A holds {stored_a} for 0 admitted"
         assert await charged(nodes.url, prefix, b, SMALL) == SMALL.amount  # the filler's
-    finally:
-        for proxy in proxies.by_target.values():
-            proxy.heal()
-        await limiter.aclose()
-        await client.aclose()
-        await proxies.aclose()
 
 
 @pytest.mark.cluster
