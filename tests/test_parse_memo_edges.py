@@ -134,36 +134,29 @@ async def test_a_ledger_written_at_a_negative_now_is_read_as_a_fresh_parse_reads
     )
 
 
-async def test_a_window_edited_ahead_of_the_clock_is_read_as_a_fresh_parse_reads_it(
-    server: Redis, prefix: str
+BUCKET = T0 // 1_000_000
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # A field whose base is a bucket the key's clock has not reached (edited by hand, or
+        # another window's text): the charge appends a record at a negative offset, a text a
+        # fresh parse fails on; the memo used the state it had filed for that text.
+        pytest.param(f"{BUCKET + 5}|0|0:1", id="ahead of the clock"),
+        # The newest record is read from the last 64 bytes of the text. One written with
+        # leading zeros grows past them when its count gains a digit: a fresh parse fails.
+        pytest.param(f"{BUCKET - 5}|0|1:1,{'0' * 61}5:9", id="record past 64 bytes"),
+    ],
+)
+async def test_a_window_text_the_script_cannot_parse_back_is_read_as_a_fresh_parse_reads_it(
+    server: Redis, prefix: str, text: str
 ) -> None:
-    # A field whose base is a bucket the key's clock has not reached (edited by hand, or
-    # another window's text): the charge appends a record at a negative offset, a text a
-    # fresh parse fails on; the memo used the state it had filed for that text.
-    bucket = T0 // 1_000_000
     await _both(
         server,
         prefix,
         [
-            ("set", {FIELD: f"{bucket + 5}|0|0:1", "t": T0}),
-            ("call", (Mode.ACQUIRE, 1, T0 + 1, "")),
-            ("call", (Mode.CHECK, 1, T0 + 2, "")),
-        ],
-    )
-
-
-async def test_a_window_record_past_64_bytes_is_read_as_a_fresh_parse_reads_it(
-    server: Redis, prefix: str
-) -> None:
-    # The newest record is read from the last 64 bytes of the text. One written with leading
-    # zeros grows past them when its count gains a digit: a fresh parse of that text fails.
-    bucket = T0 // 1_000_000
-    newest = "0" * 61 + "5:9"
-    await _both(
-        server,
-        prefix,
-        [
-            ("set", {FIELD: f"{bucket - 5}|0|1:1,{newest}", "t": T0}),
+            ("set", {FIELD: text, "t": T0}),
             ("call", (Mode.ACQUIRE, 1, T0 + 1, "")),
             ("call", (Mode.CHECK, 1, T0 + 2, "")),
         ],
