@@ -428,7 +428,7 @@ class Protocol:
             except BaseException:  # (the deadline cancels this task: CancelledError here)
                 if not self._closing:
                     finishing = True
-                    self._spawn(self._finish_refund(plans, weight, op, keys))
+                    self._spawn(self._settle(plans, weight, op, keys, REFUND))
                 raise
             finally:
                 if not finishing:
@@ -436,21 +436,6 @@ class Protocol:
                 self._leave(slots)
 
         return await self._shielded(refund(), own_budget=False)
-
-    async def _finish_refund(
-        self, plans: Sequence[IdentifierPlan], weight: int, op: Op, keys: Sequence[str]
-    ) -> None:
-        """Sends a failed refund again until the store answers (``undo_patience`` at most);
-        then its op is settled."""
-        try:
-            finished = await self._until_answered(
-                lambda: self.decide(REFUND, plans, weight, op), f"refunding op {op.id}",
-                failed=True,
-            )  # fmt: skip
-            if not finished:
-                self.statistics.compensation_errors += 1
-        finally:
-            self.ops.settle(keys, op)
 
     async def _two_phase(
         self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, now_us: int | None,
@@ -507,15 +492,19 @@ class Protocol:
             raise error
 
     async def _settle(
-        self, plans: Sequence[IdentifierPlan], weight: int, op: Op, keys: Sequence[str]
-    ) -> None:
-        """Undoes ``op`` over ``plans`` until the store answers (``undo_patience`` at most);
+        self, plans: Sequence[IdentifierPlan], weight: int, op: Op, keys: Sequence[str],
+        mode: Mode = UNDO,
+    ) -> None:  # fmt: skip
+        """Undoes ``op`` over ``plans`` (or, with ``mode`` REFUND, sends a refund that failed
+        again: its first try was made) until the store answers (``undo_patience`` at most);
         then the op is settled and later calls ack past it."""
+        what = "undoing" if mode is UNDO else "refunding"
         try:
-            undone = await self._until_answered(
-                lambda: self.decide(UNDO, plans, weight, op), f"undoing op {op.id}"
-            )
-            if not undone:
+            answered = await self._until_answered(
+                lambda: self.decide(mode, plans, weight, op), f"{what} op {op.id}",
+                failed=mode is not UNDO,
+            )  # fmt: skip
+            if not answered:
                 self.statistics.compensation_errors += 1
         finally:
             self.ops.settle(keys, op)
