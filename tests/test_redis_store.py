@@ -20,6 +20,26 @@ async def _stored(redis_url: str, key: str) -> dict[bytes, bytes]:
         await client.aclose()
 
 
+async def test_a_lone_call_after_a_flush_loads_the_code_and_charges_once(
+    redis_url: str, prefix: str
+) -> None:
+    """A lone call (nothing else in flight) leaves on a kept connection without the general
+    pipeline path; after FUNCTION FLUSH its reply says the function is missing: it ran nothing, so
+    the call goes again after a load, and counts once."""
+    admin = redis.Redis.from_url(redis_url)
+    async with Limiter(redis_url, [Limit(1000, per=3600, precision=60)], prefix=prefix) as limiter:
+        try:
+            await limiter.try_acquire("ip:lone-flush")
+            assert limiter.store._idle  # type: ignore[attr-defined]
+            for _ in range(3):
+                await admin.function_flush()
+                decision = await limiter.try_acquire("ip:lone-flush", weight=2)
+                assert decision.allowed and not decision.degraded
+            assert (await limiter.peek("ip:lone-flush")).remaining == 1000 - 1 - 3 * 2
+        finally:
+            await admin.aclose()
+
+
 @pytest.mark.parametrize("server", ["redis", "valkey"])
 @pytest.mark.parametrize("flush", ["script", "function"])
 async def test_a_flush_mid_load_costs_no_error_and_no_double_charge(

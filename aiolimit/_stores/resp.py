@@ -20,10 +20,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from aiolimit._stores.base import Arg, ScriptCall
 
-_HIREDIS_PARSER: type | None = None
+HIREDIS_PARSER: type | None = None
 NOT_ENOUGH_DATA: object = None
 try:  # redis-py's hiredis parser and its "no complete reply yet" marker (redis-py 5-8)
-    from redis._parsers import _AsyncHiredisParser as _HIREDIS_PARSER
+    from redis._parsers import _AsyncHiredisParser as HIREDIS_PARSER
     from redis._parsers.hiredis import NOT_ENOUGH_DATA
 except ImportError:  # pragma: no cover - another redis-py layout: replies are read one by one
     pass
@@ -160,22 +160,22 @@ async def read_replies(connection: Any, count: int, into: list[Any] | None = Non
     results: list[Any] = [] if into is None else into
     parser: Any = getattr(connection, "_parser", None)
     if (
-        _HIREDIS_PARSER is None
-        or type(parser) is not _HIREDIS_PARSER
+        HIREDIS_PARSER is None
+        or type(parser) is not HIREDIS_PARSER
         or not getattr(parser, "_connected", False)
     ):
         return await _one_by_one(connection, count, results)
     timeout = getattr(connection, "socket_timeout", None)
     if not timeout:
-        return await _from_reader(parser, count, results)
+        return await from_reader(parser, count, results)
     try:  # one bound for the whole read where redis-py would bound each reply
         async with asyncio.timeout(timeout):
-            return await _from_reader(parser, count, results)
+            return await from_reader(parser, count, results)
     except TimeoutError:
         raise RedisTimeoutError(f"no reply within {timeout} s") from None
 
 
-async def _from_reader(parser: Any, count: int, results: list[Any]) -> list[Any]:
+async def from_reader(parser: Any, count: int, results: list[Any]) -> list[Any]:
     gets = parser._reader.gets
     push = getattr(parser, "_hiredis_PushNotificationType", None) or ()
     append = results.append
