@@ -157,6 +157,13 @@ class Limiter:
         if not isinstance(self.clock, Clock):
             raise ConfigurationError(f"clock must implement aiolimit.Clock, got {clock!r}")
         self._protocol = Protocol(self._store, self.clock, penalty=count_refused)
+        if self._refusals is not None:
+            refusals = self._refusals
+            # An undo or refund finished in the background gives capacity back: refusals
+            # cached meanwhile would refuse what the store now admits.
+            self._protocol.on_given_back = lambda plans: refusals.forget(
+                plan.identifier for plan in plans
+            )
         self._counts = {
             "decisions": 0,
             "allowed": 0,

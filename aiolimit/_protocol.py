@@ -196,6 +196,10 @@ class Protocol:
         self.statistics = ProtocolStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False  # (aclose has begun: no new background work)
+        #: Called with the plans of an undo or refund finished in the background once the
+        #: store has answered it (capacity may have come back): the limiter's refusal cache
+        #: drops what it holds for them.
+        self.on_given_back: Callable[[Sequence[IdentifierPlan]], None] | None = None
         self._release_waiters: set[asyncio.Future[None]] = set()
         # Charging calls in flight per main key, and the calls waiting for one of them.
         self._in_flight: dict[str, int] = {}
@@ -506,6 +510,8 @@ class Protocol:
             )  # fmt: skip
             if not answered:
                 self.statistics.compensation_errors += 1
+            elif self.on_given_back is not None:
+                self.on_given_back(plans)
         finally:
             self.ops.settle(keys, op)
 

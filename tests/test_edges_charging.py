@@ -616,6 +616,68 @@ async def test_a_failed_refund_is_finished_once_when_the_store_answers(
         await limiter.aclose()
 
 
+@pytest.mark.parametrize("finished", ["refund", "undo"])
+async def test_a_refusal_cached_before_a_background_finish_lands_is_dropped_then(
+    standalone_proxy: Proxy, prefix: str, finished: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``cache_refusals``: a refund whose request was lost, or an acquire whose reply
+    was late (it charged) and whose undo's first tries were lost, is finished in the
+    background. A refusal cached while that finish is pending was true when made, but the
+    finish gives capacity back: once it lands, the cache must not refuse what the store now
+    admits (else it would refuse it for the refusal's whole ``retry_after``, up to an hour
+    here)."""
+    import aiolimit._protocol
+
+    # The background finish waits a second between tries (normally milliseconds), so that a
+    # refusal is made and cached in between.
+    monkeypatch.setattr(aiolimit._protocol, "backoff", lambda attempt: 1.0)
+    tight = Limit(3, per=3600, precision=60)
+    limiter = Limiter(
+        standalone_proxy.url, [tight], prefix=prefix, deadline=DEADLINE, cache_refusals=True
+    )
+    try:
+        if finished == "refund":
+            for _ in range(3):
+                assert told_admitted(await limiter.try_acquire("ip:203.0.113.7"))
+            standalone_proxy.partition()
+            outcome = await _outcome(limiter.refund("ip:203.0.113.7", 2))
+            await asyncio.sleep(DEADLINE)  # (the lost copy is given up)
+            standalone_proxy.heal()
+            after = 1
+        else:
+            for _ in range(2):
+                assert told_admitted(await limiter.try_acquire("ip:203.0.113.7"))
+            blocking = True
+
+            def lose_undos(link: Link, data: bytes) -> None:
+                if blocking and b"\r\nundo\r\n" in data:
+                    link.abort()
+
+            standalone_proxy.on_request = lose_undos
+            standalone_proxy.delay = DEADLINE * 2.5  # (the acquire charges; its reply is late)
+            outcome = await _outcome(limiter.try_acquire("ip:203.0.113.7"))
+            standalone_proxy.delay = 0.0
+            await asyncio.sleep(DEADLINE * 2)  # (the late reply has come and gone)
+            after = 2
+        assert isinstance(outcome, BackendError), outcome
+        refused = await limiter.try_acquire("ip:203.0.113.7")
+        assert not refused.allowed and not refused.degraded  # the store's own refusal
+        assert limiter.statistics().cached_refusals == 0
+        blocking = False
+        converged, stored = await settle(
+            lambda: charged(standalone_proxy.url, prefix, "ip:203.0.113.7", tight), after
+        )
+        assert converged, f"stored {stored}: the {finished} did not land"
+        decision = await limiter.try_acquire("ip:203.0.113.7")
+        assert decision.allowed, f"refused by the cache after the {finished} landed: {decision}"
+        assert await charged(standalone_proxy.url, prefix, "ip:203.0.113.7", tight) == after + 1
+    finally:
+        standalone_proxy.heal()
+        standalone_proxy.delay = 0.0
+        standalone_proxy.on_request = None
+        await limiter.aclose()
+
+
 async def test_a_refund_on_a_stopped_server_resumed_late_lands_once(
     fresh_standalone: cluster.Standalone, prefix: str
 ) -> None:
