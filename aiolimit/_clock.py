@@ -30,7 +30,8 @@ class Clock(Protocol):
     sleep_margin: float
 
     async def now_us(self) -> int | None:
-        """Microseconds since the epoch, or None to use the script's own server TIME."""
+        """Microseconds since the epoch (an int in [0, 2**53)), or None to use the script's
+        own server TIME."""
         ...
 
     def monotonic(self) -> float:

@@ -97,7 +97,7 @@ from aiolimit._calls import (
 from aiolimit._clock import Clock, ServerClock
 from aiolimit._deadline import DECISION_DEADLINE
 from aiolimit._decision import Decision
-from aiolimit._errors import BackendUnavailable
+from aiolimit._errors import BackendUnavailable, ConfigurationError
 from aiolimit._lease import Lease
 from aiolimit._ops import Op, OpLedger
 from aiolimit._retry import backoff
@@ -136,6 +136,27 @@ UNDO_BUDGET = 5.0
 #: Seconds an undo is retried while the store does not answer. A stopped or partitioned
 #: server that comes back within it ends up exactly as if the failed decision never happened.
 UNDO_PATIENCE = 300.0
+
+
+#: A time the scripts store exactly: whole µs below 2**53 (Lua numbers are doubles).
+MAX_NOW_US = 2**53
+
+
+class ClockError(ConfigurationError):
+    """A clock's ``now_us()`` gave no valid time. Raised before anything is sent: there is
+    nothing to undo, and nothing to retry in the background (it would fail alike)."""
+
+
+async def client_now(clock: Clock) -> int | None:
+    """``clock.now_us()``, checked: whole µs since the epoch in [0, 2**53), or None (the
+    script reads its server's TIME)."""
+    now = await clock.now_us()
+    if now is None or (type(now) is int and 0 <= now < MAX_NOW_US):
+        return now
+    raise ClockError(
+        f"{clock!r}.now_us() returned {now!r}: a clock must return None (the server's TIME) "
+        f"or whole microseconds since the epoch, an int in [0, 2**53)"
+    )
 
 
 @dataclass(slots=True)
@@ -246,7 +267,7 @@ class Protocol:
         delay comes back as the pairs' ``retry_after`` on an allowed decision. An acquire
         needs an ``op``; ``acquire`` is the safe way to make one.
         """
-        now_us = None if self._server_time else await self._clock.now_us()
+        now_us = None if self._server_time else await client_now(self._clock)
         if self._store.single_slot:
             # The common path, written out: one call, one reply.
             self.statistics.single_slot += 1
@@ -328,8 +349,10 @@ class Protocol:
                 else:
                     result = await self.decide(ACQUIRE, plans, weight, op, max_wait_us)
             except BaseException as error:
-                if getattr(error, "_aiolimit_undone", None) == op.stamp:
-                    self.ops.settle(keys, op)  # the two phases undid it already
+                if getattr(error, "_aiolimit_undone", None) == op.stamp or isinstance(
+                    error, ClockError
+                ):
+                    self.ops.settle(keys, op)  # the two phases undid it, or nothing was sent
                 else:
                     self._spawn(self._settle(plans, weight, op, keys))
                 raise
@@ -429,8 +452,8 @@ class Protocol:
             finishing = False
             try:
                 return await self.decide(REFUND, plans, weight, op)
-            except BaseException:  # (the deadline cancels this task: CancelledError here)
-                if not self._closing:
+            except BaseException as error:  # (the deadline cancels it: CancelledError)
+                if not self._closing and not isinstance(error, ClockError):
                     finishing = True
                     self._spawn(self._settle(plans, weight, op, keys, REFUND))
                 raise
@@ -486,7 +509,7 @@ class Protocol:
     async def _compensate(self, calls: Sequence[Call], weight: int, op: Op) -> None:
         """Undoes ``op`` on the slots of ``calls`` once; raises the first error."""
         try:
-            now_us = await self._clock.now_us()
+            now_us = await client_now(self._clock)
             undos = self._calls(UNDO, [call.plans for call in calls], weight, now_us, op)
             error = _first_error(await self._store.run(undos))
         except Exception as exc:
@@ -532,7 +555,7 @@ class Protocol:
                     await attempt()
                 return True
             except Exception as error:
-                if time.monotonic() + backoff(tries) >= give_up:
+                if isinstance(error, ClockError) or time.monotonic() + backoff(tries) >= give_up:
                     logger.warning("aiolimit: gave up %s after %d attempts: %s", what, tries, error)
                     return False
         raise AssertionError("unreachable")  # pragma: no cover

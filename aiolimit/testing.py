@@ -25,7 +25,8 @@ class ManualClock:
     sleep_margin = 0.0
 
     def __init__(self, start: float = 1_700_000_000.0, *, autojump: bool = False) -> None:
-        start = check_number("ManualClock start", start, 0, 1e11)
+        # (at most 9e9 s: a time at or past 2**53 µs is not stored exactly; see client_now)
+        start = check_number("ManualClock start", start, 0, 9e9)
         self._us = round(start * 1_000_000)
         self.autojump = autojump
         self._moved: asyncio.Event | None = None  # made lazily: it needs a running event loop

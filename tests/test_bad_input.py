@@ -6,6 +6,7 @@ state under the test's prefix with what it was before.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import socket
 import time
@@ -79,6 +80,58 @@ async def test_bad_weight_is_refused_before_anything_is_sent(
     """Weight 0, negative, float, bool, NaN or huge raises a typed error and charges nothing."""
     message = await assert_refused_unchanged(charged, CALLS[method](weight), error, words)
     assert "weight" in message
+
+
+class _ClockSaying:
+    """A user's clock (the ``aiolimit.Clock`` protocol) whose ``now_us`` returns ``value``."""
+
+    ttl_slack_ms = 1000
+    sleep_margin = 0.000_5
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    async def now_us(self) -> Any:
+        return self.value
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+BAD_NOWS = [
+    pytest.param(-5_000_000, id="negative"),
+    pytest.param(1.7e15 + 0.5, id="float"),
+    pytest.param(2**53, id="past-2**53"),
+    pytest.param("1700000000000000", id="text"),
+    pytest.param(True, id="bool"),
+]
+CLOCK_CALLS: dict[str, Call] = {
+    "try_acquire": lambda limiter: limiter.try_acquire(["ip:1", "user:2"]),
+    "acquire": lambda limiter: limiter.acquire(["ip:1", "user:2"]),
+    "peek": lambda limiter: limiter.peek(["ip:1", "user:2"]),
+    "refund": lambda limiter: limiter.refund(["ip:1", "user:2"]),
+}
+
+
+@pytest.mark.parametrize("method", sorted(CLOCK_CALLS))
+@pytest.mark.parametrize("value", BAD_NOWS)
+async def test_a_clock_that_gives_no_valid_time_is_refused_before_anything_is_sent(
+    charged: tuple[Backend, Limiter], method: str, value: Any
+) -> None:
+    """A clock of the user's whose ``now_us()`` is not whole microseconds since the epoch (an
+    int in [0, 2**53)) makes a typed error naming it and the value, not a Redis error, a
+    TypeError from deep inside or a time the scripts cannot store: nothing changes, and
+    nothing is left to undo in the background."""
+    backend, _ = charged
+    limiter = backend.limiter(LIMITS, clock=_ClockSaying(value))
+    await assert_refused_unchanged(
+        (backend, limiter), CLOCK_CALLS[method], ConfigurationError, "now_us()", repr(value)
+    )
+    protocol = limiter._protocol  # type: ignore[attr-defined]
+    assert not protocol._tasks and protocol.statistics.compensation_errors == 0
 
 
 @pytest.mark.parametrize(("weight", "error", "words"), BAD_WEIGHTS[:-1])
