@@ -143,8 +143,8 @@ MAX_NOW_US = 2**53
 
 
 class ClockError(ConfigurationError):
-    """A clock's ``now_us()`` gave no valid time. Raised before anything is sent: there is
-    nothing to undo, and nothing to retry in the background (it would fail alike)."""
+    """A clock's ``now_us()`` gave no valid time. ``decide`` reads the clock before it sends
+    anything, so an acquire or refund that meets this error has nothing to undo or finish."""
 
 
 async def client_now(clock: Clock) -> int | None:
@@ -491,7 +491,7 @@ class Protocol:
                 for call, result in zip(calls, results, strict=True)
                 if isinstance(result, BaseException) or decode(call, result).allowed
             ]
-            await self._shielded(self._compensate(undo, weight, op))
+            await self._shielded(self._compensate(undo, weight, op, now_us))
             error._aiolimit_undone = op.stamp  # type: ignore[attr-defined]
             raise error
         replies = [decode(call, result) for call, result in zip(calls, results, strict=True)]  # type: ignore[arg-type]
@@ -501,15 +501,18 @@ class Protocol:
         # others charged nothing). If that undo fails, ``acquire`` undoes them all.
         self.statistics.compensations += 1
         undo = [call for call, reply in zip(calls, replies, strict=True) if reply.allowed]
-        await self._shielded(self._compensate(undo, weight, op))
+        await self._shielded(self._compensate(undo, weight, op, now_us))
         return _merge(replies)
 
     # --- undo, release, renew ---------------------------------------------------------------
 
-    async def _compensate(self, calls: Sequence[Call], weight: int, op: Op) -> None:
-        """Undoes ``op`` on the slots of ``calls`` once; raises the first error."""
+    async def _compensate(
+        self, calls: Sequence[Call], weight: int, op: Op, now_us: int | None
+    ) -> None:
+        """Undoes ``op`` on the slots of ``calls`` once, at the decision's ``now_us`` (read
+        before anything was sent: a clock failing now must not pass for one that failed
+        before the commits); raises the first error."""
         try:
-            now_us = await client_now(self._clock)
             undos = self._calls(UNDO, [call.plans for call in calls], weight, now_us, op)
             error = _first_error(await self._store.run(undos))
         except Exception as exc:
@@ -555,7 +558,7 @@ class Protocol:
                     await attempt()
                 return True
             except Exception as error:
-                if isinstance(error, ClockError) or time.monotonic() + backoff(tries) >= give_up:
+                if time.monotonic() + backoff(tries) >= give_up:
                     logger.warning("aiolimit: gave up %s after %d attempts: %s", what, tries, error)
                     return False
         raise AssertionError("unreachable")  # pragma: no cover
