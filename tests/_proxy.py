@@ -13,7 +13,7 @@ proxy between them (``redis://127.0.0.1:<proxy.port>``; for a cluster client,
   ``on_reply(link, data)`` before a server->client chunk is; either may be async (forwarding
   on that link waits for it, so a hook can act *between* a request and the server seeing it)
   and may ``link.abort()`` the connection (the chunk is then not forwarded: a reply lost after
-  the server ran the command).
+  the server ran the command), or return bytes, forwarded instead of the chunk.
 
 Everything runs on the test's event loop, on 127.0.0.1 ports the OS picks; ``aclose()`` stops
 every task and connection the proxy made.
@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-Hook = Callable[["Link", bytes], Awaitable[None] | None]
+Hook = Callable[["Link", bytes], Awaitable[bytes | None] | bytes | None]
 
 CHUNK = 65536
 
@@ -65,11 +65,15 @@ class Link:
                 transport.abort()
         self._replies.put_nowait(None)
 
-    async def _call(self, hook: Hook | None, data: bytes) -> None:
-        if hook is not None:
-            result = hook(self, data)
-            if inspect.isawaitable(result):
-                await result
+    async def _call(self, hook: Hook | None, data: bytes) -> bytes:
+        """Runs ``hook`` on a chunk; returns what to forward (bytes the hook returned, else
+        the chunk itself)."""
+        if hook is None:
+            return data
+        result = hook(self, data)
+        if inspect.isawaitable(result):
+            result = await result
+        return result if isinstance(result, bytes) else data
 
     async def pump_requests(self) -> None:
         try:
@@ -77,7 +81,7 @@ class Link:
                 data = await self.client_reader.read(CHUNK)
                 if not data:
                     break
-                await self._call(self.proxy.on_request, data)
+                data = await self._call(self.proxy.on_request, data)
                 if self.closed:
                     break
                 if self.proxy.partitioned:
@@ -96,7 +100,7 @@ class Link:
                 data = await self.server_reader.read(CHUNK)
                 if not data:
                     break
-                await self._call(self.proxy.on_reply, data)
+                data = await self._call(self.proxy.on_reply, data)
                 if self.closed:
                     break
                 if self.proxy.partitioned:

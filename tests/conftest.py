@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from _proxy import Proxy
 from _workers import BACKENDS, Backend, open_backend
 
 import cluster
@@ -178,6 +179,15 @@ def redis_url(_session_servers: _SessionServers) -> str:
     if configured:
         return configured
     return _session_servers.standalone_url()
+
+
+@pytest.fixture
+async def standalone_proxy(redis_url: str) -> AsyncIterator[Proxy]:
+    """A fault-injecting proxy (``_proxy.py``) in front of the shared standalone server."""
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    proxy = await Proxy(host, int(port)).start()
+    yield proxy
+    await proxy.aclose()
 
 
 @pytest.fixture(scope="session")

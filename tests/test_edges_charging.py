@@ -117,15 +117,6 @@ def proxied_client(nodes: cluster.Cluster, proxies: Proxies) -> RedisCluster:
     )
 
 
-@pytest.fixture
-async def standalone_proxy(redis_url: str) -> AsyncIterator[Proxy]:
-    """A proxy in front of the shared standalone server."""
-    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
-    proxy = await Proxy(host, int(port)).start()
-    yield proxy
-    await proxy.aclose()
-
-
 # --- item 1: cancelled calls ------------------------------------------------------------------
 
 #: When to cancel, after creating the calls: right away, after a few event-loop turns, or

@@ -6,9 +6,10 @@ import asyncio
 
 import pytest
 import redis.asyncio as redis
+from _proxy import Link, Proxy
 from _workers import bucket_counts
 
-from aiolimit import Limit, Limiter
+from aiolimit import BackendError, Decision, Limit, Limiter
 from aiolimit._keys import main_key
 
 
@@ -18,6 +19,47 @@ async def _stored(redis_url: str, key: str) -> dict[bytes, bytes]:
         return await client.hgetall(key)  # type: ignore[no-any-return,misc]
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("on_error", ["raise", "open"])
+async def test_a_reply_that_is_no_resp_is_a_store_failure_on_the_lone_path(
+    standalone_proxy: Proxy, prefix: str, on_error: str
+) -> None:
+    """A lone call's reply that redis-py cannot parse (a protocol error, not a connection
+    error) is a ``BackendError``, which the failure policy answers (``on_error="open"``: a
+    degraded admission), as on the pipelined path; not redis-py's own exception. The next
+    call works on a fresh connection."""
+    limiter = Limiter(
+        standalone_proxy.url, [Limit(1000, per=3600, precision=60)], prefix=prefix,
+        on_error=on_error,  # type: ignore[arg-type]
+    )  # fmt: skip
+    armed = False
+
+    def garble(link: Link, data: bytes) -> bytes | None:
+        nonlocal armed
+        if armed:
+            armed = False
+            return b"@not-resp\r\n"
+        return None
+
+    try:
+        assert (await limiter.try_acquire("ip:garbled")).allowed  # (a connection kept)
+        assert limiter.store._idle  # type: ignore[attr-defined]
+        standalone_proxy.on_reply = garble
+        armed = True
+        try:
+            outcome: object = await limiter.try_acquire("ip:garbled")
+        except Exception as error:
+            outcome = error
+        assert not armed
+        if on_error == "raise":
+            assert isinstance(outcome, BackendError), repr(outcome)
+        else:
+            assert isinstance(outcome, Decision) and outcome.degraded, repr(outcome)
+        assert (await limiter.try_acquire("ip:garbled")).allowed
+    finally:
+        standalone_proxy.on_reply = None
+        await limiter.aclose()
 
 
 async def test_a_lone_call_after_a_flush_loads_the_code_and_charges_once(

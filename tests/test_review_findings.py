@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from itertools import pairwise
 
 import pytest
@@ -49,14 +48,6 @@ async def charged(store: str, prefix: str, identifier: str, limits: object) -> i
         decision = await reader.peek(identifier)
     limit = decision.details[0].limit
     return limit.amount - decision.remaining  # peek: what is left now
-
-
-@pytest.fixture
-async def standalone_proxy(redis_url: str) -> AsyncIterator[Proxy]:
-    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
-    proxy = await Proxy(host, int(port)).start()
-    yield proxy
-    await proxy.aclose()
 
 
 # --- 1. undo decides "applied?" from the FIRST identifier's ledger only ------------------------

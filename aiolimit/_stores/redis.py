@@ -124,8 +124,10 @@ class RedisStore(Store):
                 # Replies may still be on their way: the connection cannot be reused.
                 await connection.disconnect(nowait=True)
                 await self._give_back(connection)
+                if not isinstance(error, Exception):
+                    raise  # cancelled
                 if not isinstance(error, RedisConnectionError):
-                    raise
+                    return mapped(error, self.address)  # (what ``_execute`` makes of it)
                 return (await self._execute((call,)))[0]
             if self._keep and len(self._idle) < self.KEEP_CONNECTIONS:
                 self._idle.append(connection)
