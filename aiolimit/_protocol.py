@@ -70,6 +70,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -153,6 +154,14 @@ async def client_now(clock: Clock) -> int | None:
     now = await clock.now_us()
     if now is None or (type(now) is int and 0 <= now < MAX_NOW_US):
         return now
+    if not isinstance(now, bool):  # an int subclass, an IntEnum, a numpy integer: its value
+        try:
+            value = operator.index(now)
+        except TypeError:
+            pass
+        else:
+            if 0 <= value < MAX_NOW_US:
+                return value
     raise ClockError(
         f"{clock!r}.now_us() returned {now!r}: a clock must return None (the server's TIME) "
         f"or whole microseconds since the epoch, an int in [0, 2**53)"

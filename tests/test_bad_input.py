@@ -7,6 +7,7 @@ state under the test's prefix with what it was before.
 from __future__ import annotations
 
 import asyncio
+import enum
 import math
 import socket
 import time
@@ -132,6 +133,22 @@ async def test_a_clock_that_gives_no_valid_time_is_refused_before_anything_is_se
     )
     protocol = limiter._protocol  # type: ignore[attr-defined]
     assert not protocol._tasks and protocol.statistics.compensation_errors == 0
+
+
+class _Micros(int):
+    """An int subclass, as a units library might return."""
+
+
+class _Epoch(enum.IntEnum):
+    T = 1_700_000_000_500_000
+
+
+@pytest.mark.parametrize("value", [_Micros(1_700_000_000_500_000), _Epoch.T], ids=repr)
+async def test_a_clock_may_return_an_int_subclass(backend: Backend, value: int) -> None:
+    """An int subclass or an IntEnum is whole microseconds too: it is taken by its value."""
+    limiter = backend.limiter(LIMITS, clock=_ClockSaying(value))
+    decision = await limiter.try_acquire(["ip:1", "user:2"])
+    assert decision.allowed and decision.remaining == 2
 
 
 @pytest.mark.parametrize(("weight", "error", "words"), BAD_WEIGHTS[:-1])
