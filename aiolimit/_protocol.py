@@ -226,9 +226,10 @@ class Protocol:
         self.statistics = ProtocolStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False  # (aclose has begun: no new background work)
-        #: Called with the plans of an undo or refund finished in the background once the
-        #: store has answered it (capacity may have come back): the limiter's refusal cache
-        #: drops what it holds for them.
+        #: Called with the plans of an undo (a cross-slot compensation, or one finished in
+        #: the background) or of a refund finished in the background, once the store has
+        #: answered it: capacity may have come back while refusals were being cached, and
+        #: the limiter's refusal cache drops what it holds for them.
         self.on_given_back: Callable[[Sequence[IdentifierPlan]], None] | None = None
         self._release_waiters: set[asyncio.Future[None]] = set()
         # Charging calls in flight per main key, and the calls waiting for one of them.
@@ -529,6 +530,8 @@ class Protocol:
         if error is not None:
             self.statistics.compensation_errors += 1
             raise error
+        if self.on_given_back is not None:
+            self.on_given_back([plan for call in calls for plan in call.plans])
 
     async def _settle(
         self, plans: Sequence[IdentifierPlan], weight: int, op: Op, keys: Sequence[str],

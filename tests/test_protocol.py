@@ -9,11 +9,12 @@ here is orchestration: which calls go out, in which phase, and what the final st
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 
 import pytest
 
-from aiolimit import BackendUnavailable, Limit
+from aiolimit import BackendUnavailable, Decision, Limit, Limiter
 from aiolimit._calls import Call, Mode
 from aiolimit._clock import ServerClock
 from aiolimit._protocol import MAX_IN_FLIGHT, Protocol
@@ -424,3 +425,143 @@ async def test_callers_cancelled_in_line_give_their_place_up() -> None:
     admitted = sum(bool(getattr(r, "allowed", False)) for r in results)
     assert slots.used[(plan.keys[0], str(Limit(10**6, per=60)))] == admitted
     assert proto._in_flight == {} and proto._queued == {}
+
+
+# --- a user's clock that fails, and capacity given back while refusals are cached -------------
+
+
+class FlipClock:
+    """A user's clock: valid µs, or, while ``bad`` is set, 2**53 (no valid time: what a
+    ManualClock advanced past 9e9 s reads); with ``once``, one bad reading clears ``bad``."""
+
+    ttl_slack_ms = 1000
+    sleep_margin = 0.000_5
+
+    def __init__(self, *, once: bool = False) -> None:
+        self.bad = False
+        self.once = once
+
+    async def now_us(self) -> int:
+        if not self.bad:
+            return time.time_ns() // 1000
+        self.bad = not self.once
+        return 2**53
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+@pytest.mark.parametrize("once", [False, True], ids=["stays-bad", "one-bad-reading"])
+@pytest.mark.parametrize("how", ["race-lost", "commit-error"])
+async def test_a_clock_failing_after_the_commits_does_not_stop_their_undo(
+    slots: FakeSlots, rules: Rules, how: str, once: bool
+) -> None:
+    """A cross-slot acquire over a, b, c whose commits leave with a valid time; then the
+    clock fails (for good, or once). b loses the race, or b's commit fails: a and c, which
+    charged, are undone all the same (the undo is judged at the decision's time), and the
+    caller hears the refusal or the commit's error, not a clock error."""
+    clock = FlipClock(once=once)
+
+    def before(mode: str, call: Call) -> None:
+        if mode == "acquire" and call.plans[0].identifier == "b":
+            clock.bad = True
+            if how == "race-lost":
+                slots.fill("b", rules)  # another client won b between the phases
+            else:
+                raise ConnectionError("b's commit failed")
+
+    slots.before = before
+    proto = Protocol(slots, clock, undo_patience=0.5)
+    try:
+        outcome: object = await proto.acquire(rules.plans(["a", "b", "c"]), 1)
+    except Exception as error:
+        outcome = error
+    await asyncio.sleep(0.2)  # (a background undo, were there one, has had its turn)
+    await proto.aclose()
+    if how == "race-lost":
+        assert isinstance(outcome, Decision) and not outcome.allowed, outcome
+    else:
+        assert isinstance(outcome, ConnectionError) and "b's commit" in str(outcome), outcome
+    charged = {key: used for key, used in slots.used.items() if "{b}" not in key[0] and used}
+    assert not charged, f"commits never undone: {charged}"
+
+
+async def test_one_bad_clock_reading_does_not_abandon_a_background_undo(rules: Rules) -> None:
+    """An acquire whose reply is lost is undone in the background; its first try meets one
+    bad clock reading. The undo is tried again (as after any failure) and lands."""
+    slots = FakeSlots()
+    clock = FlipClock(once=True)
+
+    def lose(mode: str, call: Call) -> None:
+        if mode == "acquire":
+            clock.bad = True  # the undo's first reading
+            raise LostReply("reply lost")  # the acquire charged
+
+    slots.after = lose
+    proto = Protocol(slots, clock, undo_patience=2.0)
+    with pytest.raises(LostReply):
+        await proto.acquire(rules.plans(["a"]), 1)
+    for _ in range(100):
+        if set(slots.used.values()) == {0}:
+            break
+        await asyncio.sleep(0.02)
+    await proto.aclose()
+    assert set(slots.used.values()) == {0}, f"the undo was abandoned: {slots.used}"
+    assert proto.statistics.compensation_errors == 0
+
+
+class CachedSlots(FakeSlots):
+    """FakeSlots whose refusals say "again in an hour" (so a limiter's refusal cache keeps
+    them), and whose undo calls take ``undo_delay`` seconds to answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.undo_delay = 0.0
+
+    def execute(self, call: Call) -> list[int]:
+        reply = super().execute(call)
+        at = 3
+        for plan in call.plans:
+            for _ in plan.limits:
+                if reply[at] == 0:
+                    reply[at + 2] = reply[at + 3] = 3_600_000_000
+                at += 4
+        return reply
+
+    async def run(self, calls: Sequence[Call]) -> list[list[int] | BaseException]:  # type: ignore[override]
+        if self.undo_delay and any(call.mode is Mode.UNDO for call in calls):
+            await asyncio.sleep(self.undo_delay)
+        return await super().run(calls)
+
+
+async def test_a_refusal_cached_during_a_compensation_is_dropped_when_it_lands() -> None:
+    """With ``cache_refusals``: a cross-slot acquire over a, b charges a, loses the race on
+    b, and undoes a. A refusal of a made while that undo is on its way is true then and is
+    cached (for an hour); once the undo lands the store admits a again, and so must the
+    cache."""
+    slots = CachedSlots()
+    limits = [Limit(1, per=3600)]
+    limiter = Limiter(slots, limits, prefix="p", cache_refusals=True, deadline=5.0)
+    rules = Rules(limits, "p")
+
+    def race(mode: str, call: Call) -> None:
+        if mode == "acquire" and call.plans[0].identifier == "b":
+            slots.fill("b", rules)
+
+    slots.before = race
+    slots.undo_delay = 0.3
+    try:
+        first = asyncio.ensure_future(limiter.try_acquire(["a", "b"]))
+        await asyncio.sleep(0.1)  # a is charged; its undo is on its way
+        meanwhile = await limiter.try_acquire("a")
+        assert not meanwhile.allowed and not meanwhile.degraded  # the store's own refusal
+        assert not (await first).allowed
+        slots.before = None
+        assert {v for k, v in slots.used.items() if "{a}" in k[0]} == {0}  # the undo landed
+        again = await limiter.try_acquire("a")
+        assert again.allowed, f"refused by the cache after the compensation landed: {again}"
+    finally:
+        await limiter.aclose()
