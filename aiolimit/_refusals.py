@@ -19,7 +19,8 @@ What keeps it exact:
 - ``Concurrency`` refusals are never cached: a release returns capacity at any moment.
   Degraded answers (the store was not asked) are never cached.
 - ``refund`` and ``reset`` made through this limiter drop the identifiers' entries first;
-  an undo or refund finished in the background (it had failed) drops them when it lands.
+  an undo (a cross-slot compensation, or one finished in the background) or a refund finished
+  in the background (it had failed) drops them when it lands.
 
 What it cannot see: a ``refund`` or ``reset`` made by *another* process (or another limiter
 object). Until the cached ``retry_after`` passes, this process keeps refusing that pair; it
