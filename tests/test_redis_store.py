@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import redis.asyncio as redis
-from _proxy import Link, Proxy
+from _proxy import Link, Proxy, script_calls
 from _workers import bucket_counts
+from test_edges_charging import ROOMY, charged, settle, told_admitted
 
 from aiolimit import BackendError, Decision, Limit, Limiter
 from aiolimit._keys import main_key
@@ -261,3 +263,89 @@ async def test_replies_are_read_exactly_with_either_parser_and_protocol(
     finally:
         await client.aclose()
         await admin.aclose()
+
+
+# --- the written-out lone path (``RedisStore._run_direct``): its connection stays in step ----
+
+LONE = "ip:203.0.113.7"
+
+
+async def test_lone_calls_cancelled_once_sent_leave_no_reply_for_the_next(
+    standalone_proxy: Proxy, redis_url: str, prefix: str
+) -> None:
+    """Lone calls cancelled the moment their FCALL passes the proxy, or while their reply is
+    late: the lone call right after reads its own reply (weight 7 on another identifier:
+    its ``remaining`` could not be the cancelled call's), and what is stored converges to
+    what was admitted."""
+    limiter = Limiter(standalone_proxy.url, [ROOMY], prefix=prefix, deadline=1.0)
+    current: list[asyncio.Future[Any]] = []
+
+    def cancel(link: Link, data: bytes) -> None:
+        if script_calls(data):
+            for call in current:
+                call.cancel()
+
+    admitted = cancelled = 0
+    try:
+        await limiter.peek(LONE)
+        for round_ in range(30):
+            standalone_proxy.on_request = cancel if round_ % 3 == 0 else None
+            standalone_proxy.delay = 0.01 if round_ % 3 == 1 else 0.0
+            current[:] = [asyncio.ensure_future(limiter.try_acquire(LONE))]
+            if round_ % 3 == 1:
+                await asyncio.sleep(0.005)
+                current[0].cancel()
+            outcome = (await asyncio.gather(*current, return_exceptions=True))[0]
+            admitted += told_admitted(outcome)
+            cancelled += isinstance(outcome, asyncio.CancelledError)
+            standalone_proxy.on_request = None
+            standalone_proxy.delay = 0.0
+            other = await limiter.try_acquire(f"{LONE}-other", 7)
+            assert other.allowed and other.remaining == ROOMY.amount - 7 * (round_ + 1), other
+    finally:
+        standalone_proxy.on_request = None
+        standalone_proxy.delay = 0.0
+        await limiter.aclose()
+    assert cancelled > 0
+    converged, stored = await settle(lambda: charged(redis_url, prefix, LONE), admitted)
+    assert converged, f"stored {stored} for {admitted} admitted ({cancelled} cancelled)"
+
+
+async def test_an_error_reply_on_the_lone_path_keeps_the_connection_in_step(
+    redis_url: str, prefix: str
+) -> None:
+    """WRONGTYPE (the main key holds a list) is a ``BackendError``; the lone calls after it,
+    on another identifier, get their own replies and are charged once."""
+    admin = redis.Redis.from_url(redis_url)
+    limiter = Limiter(redis_url, [ROOMY], prefix=prefix, deadline=1.0)
+    try:
+        assert (await limiter.try_acquire("ip:1")).allowed
+        for key in limiter.storage_keys("ip:bad"):
+            await admin.rpush(key, "x")  # type: ignore[misc]
+        for i in range(5):
+            with pytest.raises(BackendError, match="WRONGTYPE"):
+                await limiter.try_acquire("ip:bad")
+            decision = await limiter.try_acquire("ip:1")
+            assert decision.allowed and decision.remaining == ROOMY.amount - 2 - i
+        assert await charged(redis_url, prefix, "ip:1") == 6
+    finally:
+        await limiter.aclose()
+        await admin.aclose()
+
+
+async def test_lone_calls_and_bursts_interleaved_over_resp3_count_exactly(
+    redis_url: str, prefix: str
+) -> None:
+    """``protocol=3``: lone calls (the written-out path) between bursts (pipelines)."""
+    limiter = Limiter(redis_url + "?protocol=3", [ROOMY], prefix=prefix, deadline=2.0)
+    admitted = 0
+    try:
+        for round_ in range(20):
+            admitted += told_admitted(await limiter.try_acquire(LONE))
+            burst = await asyncio.gather(*(limiter.try_acquire(LONE) for _ in range(round_)))
+            admitted += sum(map(told_admitted, burst))
+            admitted += told_admitted(await limiter.try_acquire(LONE))
+        assert admitted == 20 * 2 + sum(range(20))
+    finally:
+        await limiter.aclose()
+    assert await charged(redis_url, prefix, LONE) == admitted
