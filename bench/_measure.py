@@ -81,7 +81,8 @@ class CommandCounter:
 
 @contextmanager
 def counting_commands() -> Iterator[CommandCounter]:
-    """Counts every command redis-py's asyncio connections send while the block runs.
+    """Counts every command redis-py's asyncio connections send while the block runs (and
+    those aiolimit writes on their transports itself: ``resp.write_now``).
 
     A pipeline packs several commands into one write, so writes are round trips and commands
     are commands. Both methods are restored on exit.
@@ -105,13 +106,26 @@ def counting_commands() -> Iterator[CommandCounter]:
                 raw_commands[name] += 1
         return original_send(self, *args, **kwargs)  # the coroutine, unchanged
 
+    from aiolimit._stores import resp
+
+    original_write_now = resp.write_now
+
+    def write_now(connection: Any, packed: bytes) -> None:
+        # aiolimit's lone calls write on the connection's transport directly.
+        counter.writes += 1
+        for name in _packed_command_names(packed):
+            raw_commands[name] += 1
+        original_write_now(connection, packed)
+
     AbstractConnection.pack_command = pack_command  # type: ignore[method-assign]
     AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
+    resp.write_now = write_now
     try:
         yield counter
     finally:
         AbstractConnection.pack_command = original_pack  # type: ignore[method-assign]
         AbstractConnection.send_packed_command = original_send  # type: ignore[method-assign]
+        resp.write_now = original_write_now
 
 
 def _packed_command_names(buffer: bytes) -> list[bytes]:

@@ -20,6 +20,7 @@ from aiolimit._connection import (
     mapped,
     messages,
 )
+from aiolimit._stores import resp
 from aiolimit._stores.base import Arg, Result, ScriptCall, Store
 from aiolimit._stores.batching import Pending, TickBatcher
 from aiolimit._stores.resp import (
@@ -118,7 +119,7 @@ class RedisStore(Store):
             # (the call is sent again there, which is safe, see ``_pipeline_raw``), or a
             # missing function (it ran nothing).
             try:
-                connection._writer.write(pack_call(self._head, 2, call.keys, call.args))
+                resp.write_now(connection, pack_call(self._head, 2, call.keys, call.args))
                 reply = (await from_reader(connection._parser, 1, []))[0]
             except BaseException as error:
                 # Replies may still be on their way: the connection cannot be reused.

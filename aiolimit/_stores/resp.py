@@ -133,6 +133,13 @@ def pack_many(head: bytes, calls: Sequence[ScriptCall], *, spread: bool = False)
     )
 
 
+def write_now(connection: Any, packed: bytes) -> None:
+    """Writes ``packed`` on a redis-py asyncio connection's transport, with no drain: for
+    one small call on a connection with nothing else pending (``RedisStore._run_direct``).
+    A module function so that ``bench/`` can count these writes as it counts redis-py's."""
+    connection._writer.write(packed)
+
+
 def spread_many(reply: Any, count: int) -> list[Any]:
     """``decide_many``'s reply as one result per call: its replies, or one error for them all
     (the function is missing, a redirection, the server refused the call: then none of them
