@@ -159,8 +159,9 @@ class Limiter:
         self._protocol = Protocol(self._store, self.clock, penalty=count_refused)
         if self._refusals is not None:
             refusals = self._refusals
-            # An undo or refund finished in the background gives capacity back: refusals
-            # cached meanwhile would refuse what the store now admits.
+            # An undo (a cross-slot compensation, or a failed call's, finished in the
+            # background) or a refund finished in the background gives capacity back:
+            # refusals cached meanwhile would refuse what the store now admits.
             self._protocol.on_given_back = lambda plans: refusals.forget(
                 plan.identifier for plan in plans
             )
