@@ -172,12 +172,20 @@ async def _refunding(
             exc.headers.extend(state.headers())
         raise
     except Exception:
-        if verdict is not None:
+        # A client that hung up (a write to its closed connection raised) is not refunded:
+        # that would make requests free.
+        if verdict is not None and not _client_gone(request):
             await verdict.give_back(on_error=True)
         raise
-    if verdict is not None and response.status >= 500:
+    if verdict is not None and response.status >= 500 and not _client_gone(request):
         await verdict.give_back(on_error=True)
     return response
+
+
+def _client_gone(request: web.Request) -> bool:
+    """The request's connection is closed or closing: its client went away."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 async def _judge_first(

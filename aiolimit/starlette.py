@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import Any, TypeVar
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -456,9 +456,17 @@ class RateLimitMiddleware:
         if verdict is not None:
             verdict.keep_leases()
         status = 0
+        client_gone = False  # (its hang-up, seen here, is never a reason to refund)
+
+        async def receive_watched() -> Message:
+            nonlocal client_gone
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                client_gone = True
+            return message
 
         async def send_with_headers(message: Message) -> None:
-            nonlocal status
+            nonlocal status, client_gone
             if message["type"] == "http.response.start":
                 status = message["status"]
                 extra = _encode(state.headers())
@@ -472,18 +480,22 @@ class RateLimitMiddleware:
                 # Released before the response's end goes out: a client that sends its next
                 # request on reading this one never finds its own slot still held.
                 await state.verdict.release()
-            await send(message)
+            try:
+                await send(message)
+            except OSError:  # (ASGI 2.4: the server's send raises once the client is gone)
+                client_gone = True
+                raise
 
         try:
-            await self.app(scope, receive, send_with_headers)
-        except Exception:
-            if state.verdict is not None:
+            await self.app(scope, receive_watched, send_with_headers)
+        except Exception as error:
+            if state.verdict is not None and not (client_gone or _clients_own(error)):
                 await state.verdict.give_back(on_error=True)
             raise
         finally:
             if state.verdict is not None:
                 await state.verdict.release()
-        if status >= 500 and state.verdict is not None:
+        if status >= 500 and state.verdict is not None and not client_gone:
             await state.verdict.give_back(on_error=True)
 
     async def _join(
@@ -507,6 +519,19 @@ class RateLimitMiddleware:
                 await _send_problem(send, verdict)
                 return
         await self.app(scope, receive, send)  # the outer middleware writes the headers
+
+
+def _clients_own(error: BaseException) -> bool:
+    """The request failed by its client's doing, which ``refund_on_error`` never gives back:
+    the client hung up (``ClientDisconnect``, from reading the body after it went away) or
+    sent a request the app refuses as such (an HTTP status below 500, or FastAPI's
+    validation errors, answered 422). Giving those back would make requests free."""
+    if isinstance(error, ClientDisconnect):
+        return True
+    status = getattr(error, "status_code", None)
+    if isinstance(status, int) and status < 500:
+        return True
+    return any(kind.__name__ == "RequestValidationError" for kind in type(error).__mro__)
 
 
 async def _send_problem(send: Send, verdict: Verdict) -> None:
@@ -643,12 +668,9 @@ class RateLimit:
                 return
             try:
                 yield verdict.decision_for(limiter)
-            except HTTPException as exc:
-                if exc.status_code >= 500:
+            except Exception as exc:
+                if not _clients_own(exc):
                     await verdict.give_back(on_error=True)
-                raise
-            except Exception:
-                await verdict.give_back(on_error=True)
                 raise
         finally:
             # The request is over: its Concurrency slots go back (the layer that judged it
