@@ -652,8 +652,8 @@ class RateLimit:
                 [dep.layer for dep in mine], request, legacy=self._legacy
             )
             outer = False
-        if verdict is None:
-            yield None
+        if verdict is None:  # no key applies, or its identifiers were charged already
+            yield None if state.verdict is None else state.verdict.decision_for(limiter)
             return
         if verdict.refused:
             _ensure_handler(scope)

@@ -12,7 +12,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -448,7 +448,10 @@ def merged_headers(charges: Sequence[Charge], *, legacy: bool) -> list[tuple[str
     return rate_limit_headers(Decision.from_pairs(details), legacy=legacy)
 
 
-async def judge(layers: Sequence[Layer], request: Any, *, legacy: bool) -> Verdict | None:
+async def judge(
+    layers: Sequence[Layer], request: Any, *, legacy: bool,
+    charged: Mapping[int, Collection[str]] | None = None,
+) -> Verdict | None:  # fmt: skip
     """Judges one request under every layer that limits it; None when no key applies.
 
     The layers' identifiers are gathered per limiter; each limiter decides once, all or
@@ -456,12 +459,18 @@ async def judge(layers: Sequence[Layer], request: Any, *, legacy: bool) -> Verdi
     refusal gives back what the earlier ones charged: a refused request is charged nothing.
     Store failures follow each limiter's ``on_error``: a degraded admission passes without
     headers, a degraded refusal is a 503, and ``"raise"`` lets ``BackendError`` through.
+    ``charged``: identifiers this request was charged already, per ``id(limiter)`` (by an
+    earlier layer): not charged again.
     """
-    if len(layers) == 1:
+    if len(layers) == 1 and not charged:
         return await _judge_one(layers[0], request, legacy=legacy)
     groups: dict[int, tuple[Limiter, dict[str, None], dict[str, None]]] = {}
     for layer in layers:
         ids = await layer.rule.identifiers(request, functools.partial(layer.client_ip, request))
+        if ids and charged:
+            done = charged.get(id(layer.rule.limiter))
+            if done:
+                ids = [identifier for identifier in ids if identifier not in done]
         if ids:
             limiter = layer.rule.limiter
             _, group, refund = groups.setdefault(id(limiter), (limiter, {}, {}))
@@ -576,8 +585,15 @@ class RequestLimits:
         return merged_headers(self.verdict.charges, legacy=self.legacy)
 
     async def add(self, layers: Sequence[Layer], request: Any) -> Verdict | None:
-        """Judges layers the first one did not see; a refusal gives everything back."""
-        verdict = await judge(layers, request, legacy=self.legacy)
+        """Judges layers the first one did not see; a refusal gives everything back. An
+        identifier a limiter charged for this request already (the same limiter's
+        middleware on an app and on its mounted sub-app) is not charged again: None when
+        nothing is left to judge."""
+        charged: dict[int, set[str]] = {}
+        if self.verdict is not None:
+            for charge in self.verdict.charges:
+                charged.setdefault(id(charge.limiter), set()).update(charge.ids)
+        verdict = await judge(layers, request, legacy=self.legacy, charged=charged)
         if verdict is None:
             return None
         if verdict.refused:
