@@ -192,9 +192,9 @@ async def _judge_first(
     layers: list[Layer], included: Sequence[object], settings: _Settings,
     request: web.Request, handler: Handler,
 ) -> web.StreamResponse:  # fmt: skip
-    state = RequestLimits(included, settings.legacy)
+    state = RequestLimits(included, settings.legacy, settings.client_ip)
     request[REQUEST_KEY] = state
-    verdict = await judge(layers, request, legacy=settings.legacy)
+    verdict = await judge(layers, request, legacy=settings.legacy, client_ip=settings.client_ip)
     if verdict is not None and verdict.refused:
         return _problem(verdict)
     state.verdict = verdict
@@ -313,7 +313,10 @@ def limit(
         limiter, limits, key=key, keys=keys, weight=weight, name=name, route_scope=route_scope
     )
     settings = _Settings(trusted_proxies, forwarded_header, ipv6_prefix, legacy_headers)
-    marker = _Marker(Layer(rule, settings.client_ip, weight is not None, refund_on_error), settings)
+    own_client = bool(settings.resolver.trusted) or ipv6_prefix != DEFAULT_IPV6_PREFIX
+    marker = _Marker(
+        Layer(rule, settings.client_ip, weight is not None, refund_on_error, own_client), settings
+    )
 
     def decorate(handler: Handler) -> Handler:
         inner: tuple[_Marker, ...] = getattr(handler, LAYERS_MARK, ())

@@ -31,7 +31,9 @@ bytes, one to one (see ``header_key``). Refused: 429 with RFC 9457 problem+json,
 Behind a proxy, note that uvicorn's own ``proxy_headers`` (on by default, trusting
 ``127.0.0.1``) rewrites the ASGI ``client`` from ``X-Forwarded-For`` before any middleware runs.
 Either keep that and leave ``trusted_proxies`` empty, or run uvicorn with
-``proxy_headers=False`` and let ``trusted_proxies`` decide; not both.
+``proxy_headers=False`` and let ``trusted_proxies`` decide; not both. Declare them once, on
+the middleware: a ``RateLimit`` given no ``trusted_proxies`` (nor ``ipv6_prefix``) finds the
+client as the middleware that judges the request does (alone, it uses its own settings).
 """
 
 from __future__ import annotations
@@ -445,10 +447,10 @@ class RateLimitMiddleware:
         if not layers:
             await self.app(scope, receive, send)
             return
-        state = RequestLimits(own, self._legacy)
+        state = RequestLimits(own, self._legacy, self._client_ip)
         state.missed = self._marked.clear
         scope[SCOPE_KEY] = state
-        verdict = await judge(layers, request, legacy=self._legacy)
+        verdict = await judge(layers, request, legacy=self._legacy, client_ip=self._client_ip)
         if verdict is not None and verdict.refused:
             await _send_problem(send, verdict)
             return
@@ -618,7 +620,8 @@ class RateLimit:
         self._resolver = ClientIPResolver(
             trusted_proxies, header=forwarded_header, ipv6_prefix=ipv6_prefix
         )
-        self.layer = Layer(rule, self._client_ip, weight is not None, refund_on_error)
+        own_client = bool(self._resolver.trusted) or ipv6_prefix != DEFAULT_IPV6_PREFIX
+        self.layer = Layer(rule, self._client_ip, weight is not None, refund_on_error, own_client)
         self._legacy = legacy_headers
 
     def _client_ip(self, request: Request) -> str | None:

@@ -304,12 +304,16 @@ class Layer:
     ``weight_given``: its weight is the route's (a request costs one weight under every limit
     that applies to it: the largest given by a route's layers, else the middleware's).
     ``client_ip`` resolves the client's IP as this layer was told to (its trusted proxies).
+    ``own_client``: False for a route's layer told nothing of proxies (nor an IPv6 prefix):
+    under a middleware it finds the client as that middleware does, so that proxies are
+    declared once (on the middleware) and a route's limit is still per client.
     """
 
     rule: Rule
     client_ip: Callable[[Any], str | None]
     weight_given: bool = False
     refund: bool = False
+    own_client: bool = True
 
 
 @dataclass(slots=True)
@@ -451,6 +455,7 @@ def merged_headers(charges: Sequence[Charge], *, legacy: bool) -> list[tuple[str
 async def judge(
     layers: Sequence[Layer], request: Any, *, legacy: bool,
     charged: Mapping[int, Collection[str]] | None = None,
+    client_ip: Callable[[Any], str | None] | None = None,
 ) -> Verdict | None:  # fmt: skip
     """Judges one request under every layer that limits it; None when no key applies.
 
@@ -460,13 +465,15 @@ async def judge(
     Store failures follow each limiter's ``on_error``: a degraded admission passes without
     headers, a degraded refusal is a 503, and ``"raise"`` lets ``BackendError`` through.
     ``charged``: identifiers this request was charged already, per ``id(limiter)`` (by an
-    earlier layer): not charged again.
+    earlier layer): not charged again. ``client_ip``: the judging middleware's, for the
+    layers without one of their own (``Layer.own_client``).
     """
-    if len(layers) == 1 and not charged:
+    if len(layers) == 1 and not charged and (client_ip is None or layers[0].own_client):
         return await _judge_one(layers[0], request, legacy=legacy)
     groups: dict[int, tuple[Limiter, dict[str, None], dict[str, None]]] = {}
     for layer in layers:
-        ids = await layer.rule.identifiers(request, functools.partial(layer.client_ip, request))
+        resolve = layer.client_ip if client_ip is None or layer.own_client else client_ip
+        ids = await layer.rule.identifiers(request, functools.partial(resolve, request))
         if ids and charged:
             done = charged.get(id(layer.rule.limiter))
             if done:
@@ -559,11 +566,16 @@ class RequestLimits:
     headers, given back once).
     """
 
-    __slots__ = ("added", "included", "legacy", "missed", "refused", "verdict")
+    __slots__ = ("added", "client_ip", "included", "legacy", "missed", "refused", "verdict")
 
-    def __init__(self, included: Sequence[object], legacy: bool) -> None:
+    def __init__(
+        self, included: Sequence[object], legacy: bool,
+        client_ip: Callable[[Any], str | None] | None = None,
+    ) -> None:  # fmt: skip
         self.included = {id(layer): layer for layer in included} if included else {}
         self.legacy = legacy
+        #: The first middleware's way to find the client (see ``Layer.own_client``).
+        self.client_ip = client_ip
         self.verdict: Verdict | None = None
         self.refused: Verdict | None = None
         self.added = False  # a later layer added charges: the headers are merged again
@@ -593,7 +605,9 @@ class RequestLimits:
         if self.verdict is not None:
             for charge in self.verdict.charges:
                 charged.setdefault(id(charge.limiter), set()).update(charge.ids)
-        verdict = await judge(layers, request, legacy=self.legacy, charged=charged)
+        verdict = await judge(
+            layers, request, legacy=self.legacy, charged=charged, client_ip=self.client_ip
+        )
         if verdict is None:
             return None
         if verdict.refused:
