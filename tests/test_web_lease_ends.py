@@ -1,0 +1,154 @@
+"""``Concurrency`` slots through the web layers are held exactly while a request
+is in flight, whichever layer judged it.
+
+README: "``Concurrency`` limits count requests in flight: the layer that judged a request
+releases its slots as the response ends (or the handler fails ...)". Real uvicorn and
+aiohttp servers, real Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from fastapi import BackgroundTasks, Depends, FastAPI
+from starlette.responses import StreamingResponse
+
+from aiolimit import Concurrency, Limit, Limiter
+from aiolimit import aiohttp as aio
+from aiolimit.starlette import RateLimit, RateLimitMiddleware
+from tests.test_web_starlette import serve
+
+IP = "127.0.0.1"
+POOL = [Concurrency(1, lease_ttl=60)]
+
+
+@pytest.fixture
+async def limiter(redis_url: str, prefix: str) -> AsyncIterator[Limiter]:
+    made = Limiter(redis_url, {"ip": POOL, "*": [Limit(1000, per=60)]}, prefix=prefix)
+    yield made
+    await made.aclose()
+
+
+@pytest.mark.parametrize("layer", ["middleware", "dependency alone"])
+async def test_slot_is_free_once_the_response_has_ended_despite_a_background_task(
+    limiter: Limiter, layer: str
+) -> None:
+    """Concurrency(1): a response whose background task (an email, a cache warm-up) runs for
+    2 s after the response. The client has the whole response; a second request is not in
+    flight beside any other, and is admitted under the middleware. A dependency alone
+    releases when FastAPI closes it, after the background tasks (README): refused until
+    then, admitted after (the slot is not leaked)."""
+    done = asyncio.Event()
+
+    async def slow_job() -> None:
+        await asyncio.sleep(2)
+        done.set()
+
+    app = FastAPI()
+    guards = [Depends(RateLimit(limiter, POOL, name="pool"))] if layer != "middleware" else []
+
+    @app.get("/", dependencies=guards)
+    async def root(tasks: BackgroundTasks) -> dict[str, bool]:
+        if not done.is_set():
+            tasks.add_task(slow_job)
+        return {"ok": True}
+
+    if layer == "middleware":
+        app.add_middleware(RateLimitMiddleware, limiter=limiter)
+    async with serve(app) as client:
+        first = await client.get("/")
+        assert first.status_code == 200 and first.json() == {"ok": True}
+        await asyncio.sleep(0.2)
+        second = await client.get("/")
+        assert not done.is_set()  # (still within the background task)
+        async with asyncio.timeout(5):
+            await done.wait()
+        third = await client.get("/")
+    assert second.status_code == (200 if layer == "middleware" else 429), (
+        f"the first response had ended; its slot: {second.status_code}"
+    )
+    assert third.status_code == 200
+
+
+async def test_dependency_alone_releases_the_slot_of_a_client_that_hangs_up_mid_stream(
+    limiter: Limiter,
+) -> None:
+    streaming = asyncio.Event()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"first"
+        streaming.set()
+        await asyncio.Event().wait()
+        yield b"never"
+
+    app = FastAPI()
+
+    @app.get("/", dependencies=[Depends(RateLimit(limiter, POOL, name="pool"))])
+    async def root() -> StreamingResponse:
+        return StreamingResponse(chunks())
+
+    identifier = f"pool:ip:{IP}"
+    async with serve(app) as client:
+        async with client.stream("GET", "/") as response:
+            assert response.status_code == 200
+            async with asyncio.timeout(5):
+                await streaming.wait()
+            assert (await limiter.peek(identifier)).remaining == 0
+        for _ in range(50):
+            if (await limiter.peek(identifier)).remaining == 1:
+                break
+            await asyncio.sleep(0.1)
+    assert (await limiter.peek(identifier)).remaining == 1
+
+
+@pytest.mark.parametrize("where", ["middleware", "decorator"])
+async def test_aiohttp_handler_cancelled_on_hang_up_releases_its_slot(
+    limiter: Limiter, where: str
+) -> None:
+    """aiohttp with ``handler_cancellation=True``: the client hangs up while the handler
+    waits; the handler is cancelled and its slot comes back at once."""
+    entered = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        entered.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return web.Response(text="late")
+
+    if where == "middleware":
+        app = web.Application(middlewares=[aio.rate_limit_middleware(limiter)])
+        app.router.add_get("/", slow)
+        identifier = f"ip:{IP}"
+    else:
+        app = web.Application()
+        app.router.add_get("/", aio.limit(limiter, POOL, name="pool")(slow))
+        identifier = f"pool:ip:{IP}"
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with aiohttp.ClientSession(f"http://{host}:{port}") as session:
+            pending = asyncio.ensure_future(session.get("/"))
+            async with asyncio.timeout(5):
+                await entered.wait()
+            assert (await limiter.peek(identifier)).remaining == 0
+            pending.cancel()
+            async with asyncio.timeout(5):
+                await cancelled.wait()
+        for _ in range(30):
+            if (await limiter.peek(identifier)).remaining == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert (await limiter.peek(identifier)).remaining == 1
+    finally:
+        await runner.cleanup()
