@@ -656,7 +656,13 @@ class RateLimit:
             )
             outer = False
         if verdict is None:  # no key applies, or its identifiers were charged already
-            yield None if state.verdict is None else state.verdict.decision_for(limiter)
+            try:
+                yield None if state.verdict is None else state.verdict.decision_for(limiter)
+            finally:
+                # A RateLimit this one did not see may have judged since (it joined this
+                # request): the first to judge releases the request's slots.
+                if not outer and state.verdict is not None:
+                    await state.verdict.release()
             return
         if verdict.refused:
             _ensure_handler(scope)

@@ -152,3 +152,31 @@ async def test_aiohttp_handler_cancelled_on_hang_up_releases_its_slot(
         assert (await limiter.peek(identifier)).remaining == 1
     finally:
         await runner.cleanup()
+
+
+async def test_a_slot_taken_by_a_dependency_the_first_did_not_see_is_released(
+    limiter: Limiter,
+) -> None:
+    """Dependency alone: the route's first ``RateLimit`` finds no key for the request (no
+    ``x-user``), and a ``RateLimit`` it could not see (put in by ``dependency_overrides``)
+    takes the request's ``Concurrency`` slot. The slot goes back when the request ends:
+    the next request is admitted (not refused until the process exits, its lease renewed
+    for ever)."""
+    from aiolimit.starlette import header_key
+
+    app = FastAPI()
+    by_user = RateLimit(limiter, [Limit(1000, per=60)], keys={"user": header_key("x-user")})
+    pool = RateLimit(limiter, POOL, name="pool")
+
+    def placeholder() -> None:
+        return None
+
+    app.dependency_overrides[placeholder] = pool
+
+    @app.get("/", dependencies=[Depends(by_user), Depends(placeholder)])
+    async def root() -> dict[str, bool]:
+        return {"ok": True}
+
+    async with serve(app) as client:
+        codes = [(await client.get("/")).status_code for _ in range(3)]
+    assert codes == [200, 200, 200], codes
