@@ -105,13 +105,19 @@ def exempt(handler: E) -> E:
     return mark_exempt(handler)
 
 
+#: The scope of a route's own limits on a request no route matched (a handler called for
+#: 404s): one for all, not one (and a rule kept in memory) per path a client makes up.
+NO_ROUTE = "(no route)"
+
+
 def route_scope(request: web.Request) -> str:
     """A route's own limits are kept per ``"<method> <path template>"`` (``"GET /items/{id}"``)."""
     route = request.match_info.route
     resource = route.resource
-    path = resource.canonical if resource is not None else request.path
+    if resource is None:
+        return NO_ROUTE
     method = "GET" if route.method == "HEAD" else route.method  # add_get adds a HEAD route
-    return f"{method} {path}" if method != "*" else path
+    return f"{method} {resource.canonical}" if method != "*" else resource.canonical
 
 
 class _Settings:

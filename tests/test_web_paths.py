@@ -178,3 +178,28 @@ async def test_sub_apps_mounted_apart_keep_their_routes_apart(
     assert codes == [200, 200, 429, 200, 200, 429]
     kinds = sorted(kind for kind in limiter._added_rules if "report" in kind)
     assert kinds == ["GET /v1/report", "GET /v2/report"], kinds
+
+
+async def test_an_aiohttp_route_limit_reached_without_a_route_is_one_budget(make: Factory) -> None:
+    """A ``@limit`` handler called for requests no route matched (from a middleware that
+    answers 404s with it): 2 an hour for all of them, not a budget (and a rule kept in memory)
+    per path a client makes up."""
+    limiter = make({"ip": [Limit(1000, per=3600, precision=60)]})
+
+    @aio.limit(limiter, [Limit(2, per=3600, precision=60)])
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404, text="no such page")
+
+    @web.middleware
+    async def pages(request: web.Request, handler: aio.Handler) -> web.StreamResponse:
+        if request.match_info.http_exception is not None:
+            return await not_found(request)
+        return await handler(request)
+
+    app = web.Application(middlewares=[pages])
+    async with running(app) as base, ClientSession(base) as client:
+        codes = []
+        for n in range(4):
+            async with client.get(f"/made-up-{n}") as response:
+                codes.append(response.status)
+    assert codes == [404, 404, 429, 429], codes
