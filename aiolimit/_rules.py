@@ -137,7 +137,9 @@ class Rules:
             or (override is not None and override.shadow)
         )
         plan = self._plan_of(identifier, limits)
-        return replace(plan, shadow=True) if shadow else plan
+        # A shadow rule never delays a request either: no turn is reserved on it (acquire
+        # retries, and a refusal by shadow rules alone is admitted).
+        return replace(plan, shadow=True, queueable=False) if shadow else plan
 
     def _deny_limits(self, identifier: str) -> tuple[BaseLimit, ...]:
         try:
