@@ -583,19 +583,28 @@ class Protocol:
         assert mode in (RELEASE, RENEW)
         if mode is RENEW:
             return await self.decide(RENEW, plans, weight, op)
+
+        async def release() -> Decision:
+            # What follows the release runs in its own task, whether or not its caller is
+            # still waiting (a caller cancelled again, or by a scope that cancels again, stops
+            # waiting at once): a failure keeps trying in the background (a release is
+            # idempotent), so one reset connection does not hold the slot until the lease
+            # TTL; a success wakes this process's waiters.
+            try:
+                decision = await self.decide(RELEASE, plans, weight, op)
+            except BaseException:  # (its own time budget running out: CancelledError here)
+                if not self._closing:
+                    self._spawn(self._retry_release(plans, weight, op))
+                raise
+            self._wake_release_waiters()
+            return decision
+
         try:
-            decision = await self._shielded(self.decide(RELEASE, plans, weight, op))
-        except Exception as error:
-            # Keep trying in the background (a release is idempotent), so one reset
-            # connection does not hold the slot until the lease TTL.
-            self._spawn(self._retry_release(plans, weight, op))
-            if isinstance(error, TimeoutError):  # a store that does not answer in time
-                raise BackendUnavailable(
-                    f"no answer within {UNDO_BUDGET:g} s releasing lease {op.id}"
-                ) from error
-            raise
-        self._wake_release_waiters()
-        return decision
+            return await self._shielded(release())
+        except TimeoutError as error:  # a store that does not answer in time
+            raise BackendUnavailable(
+                f"no answer within {UNDO_BUDGET:g} s releasing lease {op.id}"
+            ) from error
 
     async def _retry_release(self, plans: Sequence[IdentifierPlan], weight: int, op: Op) -> None:
         released = await self._until_answered(
