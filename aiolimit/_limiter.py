@@ -837,7 +837,10 @@ def _refused_by_a_lease(decision: Decision) -> bool:
 
 
 class Acquisition:
-    """What ``Limiter.limit`` returns: awaitable, and an async context manager."""
+    """What ``Limiter.limit`` returns: awaitable, and an async context manager.
+
+    One object may be entered by several tasks at once (as an ``asyncio.Semaphore`` is):
+    each ``async with`` releases the lease it took. ``decision`` is the latest admission."""
 
     def __init__(
         self, limiter: Limiter, ids: Identifiers, weight: int, timeout: float | None
@@ -847,13 +850,17 @@ class Acquisition:
         self._weight = weight
         self._timeout = timeout
         self.decision: Decision | None = None
+        # The admissions entered and not yet left, per task (innermost last).
+        self._held: dict[asyncio.Task[Any] | None, list[Decision]] = {}
 
     def __await__(self) -> Generator[Any, None, Decision]:
         return self._limiter.acquire(self._ids, self._weight, timeout=self._timeout).__await__()
 
     async def __aenter__(self) -> Decision:
-        self.decision = await self._limiter.acquire(self._ids, self._weight, timeout=self._timeout)
-        return self.decision
+        decision = await self._limiter.acquire(self._ids, self._weight, timeout=self._timeout)
+        self._held.setdefault(asyncio.current_task(), []).append(decision)
+        self.decision = decision
+        return decision
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -861,9 +868,16 @@ class Acquisition:
     ) -> None:  # fmt: skip
         # Concurrency leases go back on every exit: normal, error or cancellation. A store
         # failure here must not mask how the body ended: the release is retried in the
-        # background and the failure logged.
-        if self.decision is not None and self.decision.lease is not None:
+        # background and the failure logged. The exit waits at most the limiter's deadline
+        # (the release goes on in its own task), as a decision would.
+        task = asyncio.current_task()
+        held = self._held.get(task)
+        decision = held.pop() if held else None
+        if not held:
+            self._held.pop(task, None)
+        if decision is not None and decision.lease is not None:
             try:
-                await self.decision.lease.release()
-            except BackendError as error:
-                logger.warning("aiolimit: releasing a lease failed, retrying: %s", error)
+                async with asyncio.timeout(self._limiter._failure.deadline_seconds):
+                    await decision.lease.release()
+            except (BackendError, TimeoutError) as error:
+                logger.warning("aiolimit: releasing a lease failed, retrying: %r", error)
