@@ -567,10 +567,14 @@ class Limiter:
             await clock.sleep(failed.retry_after + clock.sleep_margin)
         plans = self._rules.plans(ids)
         weight = check_weight(weight, plans)
-        # When every limit is a GCRA bucket, a waiter reserves its turn (charged now, admitted
-        # after the delay): waiters are served in arrival order with one call each, instead
-        # of all waking at once and retrying.
-        queueable = timeout != 0 and all(plan.queueable for plan in plans)
+        # When the call's one limit is a GCRA bucket, a waiter reserves its turn (charged now,
+        # admitted after the delay): waiters are served in arrival order with one call each,
+        # instead of all waking at once and retrying. Not with several pairs: each would
+        # reserve its own turn and the caller pass at the latest, its unit on a faster bucket
+        # charged at an earlier turn than it uses (that bucket refills meanwhile: over-admission).
+        queueable = (
+            timeout != 0 and len(plans) == 1 and plans[0].queueable and len(plans[0].limits) == 1
+        )
         polls = 0
         while True:
             max_wait_us = 0

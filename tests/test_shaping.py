@@ -256,15 +256,15 @@ async def _admissions(
 async def test_a_waiter_under_several_buckets_waits_for_the_slowest_turn(
     store_url: str, prefix: str, limits: Any, ids: Any
 ) -> None:
-    """6 acquirers under 5/s and 2/s (burst 1 each): each is given a turn on both buckets in
-    its one decision and waits for the later: they pass 0.5 s apart, the slower bucket's
-    pace, each exactly at its turn."""
+    """6 acquirers under 5/s and 2/s (burst 1 each). A call under several buckets reserves no
+    turn (each bucket would reserve its own, and the caller pass at the latest: its unit on
+    the faster bucket charged at a turn it does not use, an over-admission there); it waits
+    and asks again. They all pass, at the slower bucket's pace: never two within 0.5 s."""
     clock = ManualClock(start=START)
     async with Limiter(store_url, limits, prefix=prefix, clock=clock) as limiter:
-        decisions, times = await _admissions(limiter, clock, ids, 6, 2.6)
-        assert limiter.statistics().decisions == 6
-    assert sorted(turn_us(d) for d in decisions) == [turn * 500_000 for turn in range(6)]
-    assert times == [turn * 500_000 for turn in range(6)], times
+        decisions, times = await _admissions(limiter, clock, ids, 6, 3.0)
+    assert len(decisions) == 6 and all(d.allowed for d in decisions)
+    assert all(later - earlier >= 500_000 for earlier, later in pairwise(times)), times
 
 
 async def test_a_waiter_under_a_bucket_and_a_window_never_passes_either(
@@ -286,14 +286,14 @@ async def test_a_waiter_under_a_bucket_and_a_window_never_passes_either(
 async def test_on_the_cluster_two_slots_buckets_wait_for_the_slowest_turn(
     redis_cluster_url: str, prefix: str
 ) -> None:
-    """The same across two slots of a Redis Cluster (check, then commit, on each): the turns
-    reserved on both slots put each waiter at the slower bucket's pace."""
+    """The same across two slots of a Redis Cluster (check, then commit, on each): every
+    waiter passes, at the slower bucket's pace."""
     limits = {"ip": [TokenBucket(5, per=1, burst=1)], "user": [TokenBucket(2, per=1, burst=1)]}
     clock = ManualClock(start=START)
     async with Limiter(redis_cluster_url, limits, prefix=prefix, clock=clock) as limiter:
         assert key_slot(main_key(prefix, "ip:1").encode()) != key_slot(
             main_key(prefix, "user:1").encode()
         )
-        decisions, times = await _admissions(limiter, clock, ["ip:1", "user:1"], 6, 2.6)
-    assert sorted(turn_us(d) for d in decisions) == [turn * 500_000 for turn in range(6)]
-    assert times == [turn * 500_000 for turn in range(6)], times
+        decisions, times = await _admissions(limiter, clock, ["ip:1", "user:1"], 6, 3.0)
+    assert len(decisions) == 6 and all(d.allowed for d in decisions)
+    assert all(later - earlier >= 500_000 for earlier, later in pairwise(times)), times
