@@ -615,7 +615,9 @@ class Limiter:
                 return decision
             for turn in held:  # (none: a refusal reserves nothing)
                 self._protocol.end_turn(turn, undo=False)
-            wait = max(round(decision.retry_after * 1e6) - elapsed_us, 0) / 1e6
+            # A refusal means not now: at least 1 µs (a refusal cached locally may have less
+            # than 0.5 µs left, and a manual clock with no margin would never move).
+            wait = max(round(decision.retry_after * 1e6) - elapsed_us, 1) / 1e6
             if _refused_by_a_lease(decision):
                 # A lease's retry_after is when it expires at the latest; its holder usually
                 # releases it sooner. Try again at a release in this process, or after a
