@@ -282,7 +282,18 @@ FACTORIES.gcra = function()
         if remaining < 0 then remaining = 0 end
         return true, remaining, delay, gcra_us(pair, excess)
       end
-      return false, math.floor((capacity - held) / pair.period), delay, gcra_us(pair, held)
+      -- Refused: when it can pass is the first freed turn it fits in (an undone waiter's),
+      -- if earlier than past the queue's tail; the room left is never below 0.
+      if weight > 0 and #st.holes > 0 then
+        local i, _, vend = hole_for(pair, st, weight * pair.period, math.huge)
+        if i then
+          local at_hole = gcra_us(pair, vend - capacity)
+          if at_hole < delay then delay = at_hole end
+        end
+      end
+      local remaining = math.floor((capacity - held) / pair.period)
+      if remaining < 0 then remaining = 0 end
+      return false, remaining, delay, gcra_us(pair, held)
     end,
 
     charge = function(s, pair, now, weight, op, reserving)

@@ -72,6 +72,27 @@ async def test_an_undone_turn_goes_to_the_next_waiter(store_url: str, prefix: st
         assert await script.admitted_at(T0 + 60, "m:4:") is None
 
 
+async def test_a_refusal_points_at_a_freed_turn_and_never_reports_negative_room(
+    store_url: str, prefix: str
+) -> None:
+    """MinInterval(2 s): the token at 0, A reserves 2 s, B 4 s; A's undo frees the turn at
+    2 s. A request that cannot wait is refused, and its retry_after is that freed turn (what
+    a waiting request is given), not past the queue (6 s): a refusal cache would otherwise
+    refuse what the store reserves. Its remaining is 0, never negative."""
+    async with Limiter(store_url, [MinInterval(2)], prefix=prefix) as limiter:
+        script = Script(limiter, prefix, MinInterval(2))
+        wait = 30 * S
+        assert await script.admitted_at(T0, "m:1:") == T0
+        assert await script.admitted_at(T0 + 10, "a:1:", wait_us=wait) == T0 + 2 * S
+        assert await script.admitted_at(T0 + 20, "b:1:", wait_us=wait) == T0 + 4 * S
+        assert (await script.call("undo", T0 + 30, 1, "a:1:"))[1] == 0  # applied
+        refused = await script.call("acquire", T0 + 40, 1, "m:2:")
+        assert refused[0] == 0 and refused[3] == 0
+        assert refused[4] == 0, refused  # remaining
+        assert refused[5] == 2 * S - 40, refused  # retry: the freed turn
+        assert await script.admitted_at(T0 + 50, "m:3:", wait_us=wait) == T0 + 2 * S
+
+
 async def test_two_freed_turns_serve_two_newcomers(store_url: str, prefix: str) -> None:
     """MinInterval(1 s), turns queued at 1, 2, 3 and 4 s; the turns at 2 and 3 s are undone
     (one hole of two turns): the next two newcomers take 2 s and 3 s, the third queues at 5 s."""
