@@ -139,6 +139,19 @@ async def raw_partial_upload(port: int, path: str) -> None:
         await writer.wait_closed()
 
 
+async def remaining_after_hang_up(
+    app: Any, limiter: Limiter, identifier: str, failed: asyncio.Event
+) -> int:
+    """Serves ``app``, hangs up mid-upload to /upload, waits for the endpoint to fail, and
+    returns what ``identifier`` has left once any refund had time to land."""
+    async with serve(app) as client:
+        port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
+        await raw_partial_upload(port, "/upload")
+        async with asyncio.timeout(5):
+            await failed.wait()
+        return await settle(limiter, identifier, 10)
+
+
 @pytest.mark.parametrize("refund", [False, True], ids=["no refund_on_error", "refund_on_error"])
 async def test_starlette_client_hanging_up_mid_upload_is_still_charged(
     limiter: Limiter, refund: bool
@@ -162,12 +175,7 @@ async def test_starlette_client_hanging_up_mid_upload_is_still_charged(
 
     app = Starlette(routes=[Route("/upload", upload, methods=["POST"])])
     app.add_middleware(RateLimitMiddleware, limiter=limiter, refund_on_error=refund)
-    async with serve(app) as client:
-        port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
-        await raw_partial_upload(port, "/upload")
-        async with asyncio.timeout(5):
-            await failed.wait()
-        remaining = await settle(limiter, f"ip:{IP}", 10)
+    remaining = await remaining_after_hang_up(app, limiter, f"ip:{IP}", failed)
     assert seen == ["ClientDisconnect"], seen
     assert remaining == 9, f"a client that hung up mid-upload got its charge back: {remaining}"
 
@@ -293,11 +301,6 @@ async def test_fastapi_dependency_client_hanging_up_mid_upload_is_still_charged(
             raise
         return {"size": len(body)}
 
-    async with serve(app) as client:
-        port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
-        await raw_partial_upload(port, "/upload")
-        async with asyncio.timeout(5):
-            await failed.wait()
-        remaining = await settle(limiter, f"up:ip:{IP}", 10)
+    remaining = await remaining_after_hang_up(app, limiter, f"up:ip:{IP}", failed)
     assert seen == ["ClientDisconnect"], seen
     assert remaining == 9, f"a client that hung up mid-upload got its charge back: {remaining}"
