@@ -1,0 +1,146 @@
+"""Review: rules that change while requests are in flight, and limiters with different rules on
+one store. Real redis-server processes (conftest's fixtures); each test names the promise it
+checks. Tests that FAIL on the reviewed code show a defect (see the report)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis.asyncio as redis_asyncio
+
+from aiolimit import Limit, Limiter, RuleSet
+from aiolimit._errors import AiolimitError
+from aiolimit._follow import rules_keys
+from aiolimit.testing import ManualClock
+
+START = 1_700_000_040.0  # on a minute boundary (and so on a second boundary)
+
+
+# -- promise 4: bad input is a typed error at the boundary; following keeps good rules ----------
+
+# Each is JSON that a rules document or a stored override may hold; RuleSet.from_mapping
+# raises a non-RulesError on it: a TypeError (an unhashable "type"), an OverflowError (an
+# integer too large for a float), a RecursionError (deep nesting).
+BAD_LIMIT_TABLES = {
+    "unhashable_type": '{"type": ["window"], "amount": 1, "per": 60}',
+    "huge_integer_per": '{"type": "window", "amount": 1, "per": 1' + "0" * 400 + "}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_LIMIT_TABLES))
+def test_rules_text_with_a_bad_limit_table_is_a_rules_error(name: str) -> None:
+    """RuleSet.from_text (a rules file) must answer a bad limit table with RulesError."""
+    text = '{"kinds": {"user": [' + BAD_LIMIT_TABLES[name] + "]}}"
+    with pytest.raises(AiolimitError):
+        RuleSet.from_text(text, "json")
+
+
+def test_rules_toml_with_a_list_as_type_is_a_rules_error() -> None:
+    text = 'kinds = { user = [ { type = ["window"], amount = 1, per = 60 } ] }\n'
+    with pytest.raises(AiolimitError):
+        RuleSet.from_text(text, "toml")
+
+
+@pytest.mark.parametrize("name", sorted(BAD_LIMIT_TABLES))
+async def test_a_bad_override_in_redis_is_ignored_not_raised(
+    redis_url: str, prefix: str, name: str
+) -> None:
+    """An invalid override in the Redis hash is documented as logged and ignored (the kind's
+    rule decides). One whose limit table trips a TypeError/OverflowError must not make every
+    decision on that identifier raise an untyped exception."""
+    good = RuleSet.from_mapping(
+        {"kinds": {"user": "5/minute"}, "overrides": {"user:vip": {"scale": 2}}}
+    )
+    async with Limiter(redis_url, "100/minute", prefix=prefix, follow_rules=True) as limiter:
+        assert await limiter.push_rules(good)
+        client = redis_asyncio.from_url(redis_url)
+        try:
+            await client.hset(
+                rules_keys(prefix).overrides,
+                "user:bad",
+                '{"limits": [' + BAD_LIMIT_TABLES[name] + "]}",
+            )
+        finally:
+            await client.aclose()
+        decision = await limiter.try_acquire("user:bad")  # observed: TypeError / OverflowError
+        assert decision.allowed
+        assert decision.limit == Limit(5, 60)
+
+
+BAD_DOCUMENTS = {
+    "unhashable_type": {"kinds": {"*": [json.loads(BAD_LIMIT_TABLES["unhashable_type"])]}},
+    "deep_nesting": None,  # built as text below
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_DOCUMENTS))
+async def test_a_garbage_rules_document_is_rejected_not_raised(
+    redis_url: str, prefix: str, name: str
+) -> None:
+    """A document that does not validate is rejected as a whole (logged, counted) and the
+    rules in force stay (for a new process: its own). It must not reach the caller of a
+    decision as an untyped exception."""
+    if name == "deep_nesting":
+        raw = '{"format": 1, "version": "v-deep", "rules": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    else:
+        raw = json.dumps({"format": 1, "version": "v-bad", "rules": BAD_DOCUMENTS[name]})
+    client = redis_asyncio.from_url(redis_url)
+    try:
+        await client.set(rules_keys(prefix).doc, raw)
+    finally:
+        await client.aclose()
+    async with Limiter(redis_url, "3/minute", prefix=prefix, follow_rules=True) as limiter:
+        decision = await limiter.try_acquire("user:1")  # observed: TypeError / RecursionError
+        assert decision.allowed and decision.limit == Limit(3, 60)
+        assert limiter.statistics().rules_rejected == 1
+
+
+# -- promise 3: bounded state per rules version ------------------------------------------------
+
+
+async def test_stale_fields_of_replaced_rules_do_not_pile_up(redis_url: str, prefix: str) -> None:
+    """Every rules version whose limits store under a new field (another period, precision,
+    burst) leaves its field in each busy identifier's hash: the key never idles, so it never
+    expires, and op_prune's HGETALL reads them all. 40 versions must not make 40+ fields."""
+    clock = ManualClock(START)
+    async with Limiter(redis_url, "5/second", prefix=prefix, clock=clock) as limiter:
+        for version in range(40):
+            limiter.set_rules(f"5/{version + 2}s")
+            assert (await limiter.try_acquire("user:1")).allowed
+            clock.advance(0.5)
+        client = redis_asyncio.from_url(redis_url)
+        try:
+            fields = await client.hkeys(limiter.storage_keys("user:1")[0])
+        finally:
+            await client.aclose()
+    # In force: one limit field, plus "t", "x" and this limiter's op ledger.
+    assert len(fields) <= 6, sorted(fields)
+
+
+# -- promises 1 and 2: a refund after a rules change -------------------------------------------
+
+
+@pytest.mark.parametrize("store", ["redis", "memory"])
+async def test_refund_after_a_limit_was_added_does_not_over_admit(
+    redis_url: str, prefix: str, store: str
+) -> None:
+    """A request admitted under v1 (5/minute) is refunded after v2 (5/minute + 2/second) came
+    into force. The refund credits the 2/second pair, which that request was never charged:
+    charges of two other requests in this second are given back, and a third is admitted in
+    the same second: 3 admitted under a limit of 2."""
+    clock = ManualClock(START)
+    url = redis_url if store == "redis" else "memory://"
+    async with Limiter(url, "5/minute", prefix=prefix, clock=clock) as limiter:
+        assert (await limiter.try_acquire("user:1")).allowed  # A, under v1
+        limiter.set_rules("5/minute;2/second")
+        clock.advance(0.1)
+        admitted_this_second = 0
+        for _ in range(2):  # B, C under v2: the 2/second pair is full
+            admitted_this_second += (await limiter.try_acquire("user:1")).allowed
+        assert admitted_this_second == 2
+        assert not (await limiter.try_acquire("user:1")).allowed
+        await limiter.refund("user:1", 1)  # A's request failed: give back what it was charged
+        clock.advance(0.1)  # still the same second
+        admitted_this_second += (await limiter.try_acquire("user:1")).allowed  # D
+    assert admitted_this_second <= 2, "admitted 3 within one second under 2/second"
