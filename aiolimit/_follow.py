@@ -104,7 +104,7 @@ def parse_document(raw: bytes | str) -> Document:
     """A stored document, validated; ``RulesError`` when it cannot be used."""
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
         raise RulesError("document", f"not valid JSON: {exc}") from exc
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise RulesError("document.format", f"must be {FORMAT}")

@@ -158,12 +158,14 @@ class RuleSet:
                 raise RulesError(
                     f"line {exc.lineno}, column {exc.colno}", f"not valid JSON: {exc.msg}"
                 ) from exc
+            except (ValueError, RecursionError) as exc:  # an int past 4300 digits, deep nesting
+                raise RulesError("", f"not usable JSON: {exc}") from exc
             if duplicated:  # json keeps the last of a key given twice; TOML refuses it: so do we
                 _refuse_duplicate("", data)
         elif format == "toml":
             try:
                 data = tomllib.loads(text)
-            except tomllib.TOMLDecodeError as exc:
+            except (tomllib.TOMLDecodeError, RecursionError) as exc:
                 raise RulesError("", f"not valid TOML: {exc}") from exc
         else:
             raise RulesError("", f"format must be 'toml' or 'json', got {format!r}")
@@ -345,7 +347,7 @@ def read_limits(where: str, spec: object) -> tuple[BaseLimit, ...]:
 
 def _limit_from_table(where: str, table: Mapping[str, Any]) -> BaseLimit:
     kind = table.get("type")
-    if kind not in LIMIT_TYPES:
+    if not isinstance(kind, str) or kind not in LIMIT_TYPES:
         raise RulesError(f"{where}.type", f"must be one of {', '.join(LIMIT_TYPES)}, got {kind!r}")
     fields = _FIELDS[kind]
     extra = sorted(set(map(str, table)) - {"type", *fields})
@@ -460,7 +462,7 @@ def _override(where: str, spec: object) -> Override:
         if (
             isinstance(scale, bool)
             or not isinstance(scale, (int, float))
-            or not math.isfinite(scale)
+            or not (isinstance(scale, int) or math.isfinite(scale))
             or not 0 < scale <= MAX_SCALE
         ):
             raise RulesError(
@@ -488,8 +490,13 @@ def override_table(override: Override) -> dict[str, Any]:
 
 
 def override_from_json(text: str | bytes) -> Override:
-    """One override as stored in Redis (``override_table`` as JSON); invalid raises."""
-    return _override("override", json.loads(text))
+    """One override as stored in Redis (``override_table`` as JSON); invalid raises
+    ``RulesError``."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a huge int, deep nesting
+        raise RulesError("override", f"not valid JSON: {exc}") from exc
+    return _override("override", data)
 
 
 def _identifier(where: str, identifier: object) -> str:

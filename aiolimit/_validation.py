@@ -63,7 +63,9 @@ def check_seconds(
     prefix = "None or " if allow_none else ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise error(f"{name} must be {prefix}a number of seconds, got {_describe(value)}")
-    if not (math.isfinite(value) and (value > low if open_low else value >= low) and value <= high):
+    # (an int is finite; math.isfinite of one too large for a float raises OverflowError)
+    finite = isinstance(value, int) or math.isfinite(value)
+    if not (finite and (value > low if open_low else value >= low) and value <= high):
         bounds = _range_text(low, high, open_low=open_low)
         raise error(f"{name} must be {prefix}{bounds}, got {_describe(value)}")
     return float(value)
@@ -91,7 +93,7 @@ def check_number(
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not math.isfinite(value)
+        or not (isinstance(value, int) or math.isfinite(value))
         or not low <= value <= high
     ):
         raise error(f"{name} must be a number in [{low:g}, {high:g}], got {_describe(value)}")
