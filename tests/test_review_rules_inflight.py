@@ -144,3 +144,37 @@ async def test_refund_after_a_limit_was_added_does_not_over_admit(
         clock.advance(0.1)  # still the same second
         admitted_this_second += (await limiter.try_acquire("user:1")).allowed  # D
     assert admitted_this_second <= 2, "admitted 3 within one second under 2/second"
+
+
+# -- held on the reviewed code -----------------------------------------------------------------
+
+
+async def test_cached_refusal_does_not_outlive_a_larger_limit(redis_url: str, prefix: str) -> None:
+    """cache_refusals=True: a pair refused under 1/hour is not refused from the cache once the
+    rules say 10/hour (the cache matches entries by limit). Held."""
+    clock = ManualClock(START)
+    async with Limiter(
+        redis_url, "1/hour", prefix=prefix, clock=clock, cache_refusals=True
+    ) as limiter:
+        assert (await limiter.try_acquire("user:1")).allowed
+        assert not (await limiter.try_acquire("user:1")).allowed  # cached for ~1 h
+        limiter.set_rules("10/hour")
+        assert (await limiter.try_acquire("user:1")).allowed
+
+
+async def test_lease_taken_under_v1_is_released_after_v2_dropped_concurrency(
+    redis_url: str, prefix: str
+) -> None:
+    """A Concurrency lease taken under v1 is released by its own plans after v2 removed the
+    limit; v3 bringing it back finds the slot free. Held."""
+    from aiolimit import Concurrency
+
+    async with Limiter(redis_url, [Concurrency(1)], prefix=prefix) as limiter:
+        first = await limiter.try_acquire("user:1")
+        assert first.allowed and first.lease is not None
+        limiter.set_rules("100/minute")
+        await first.lease.release()
+        limiter.set_rules([Concurrency(1)])
+        again = await limiter.try_acquire("user:1")
+        assert again.allowed and again.lease is not None
+        await again.lease.release()
