@@ -336,11 +336,20 @@ end
 -- client credit nothing, erring toward refusing.
 -- The only read of every field of a key (a call fetches only its own): it runs when a client
 -- writes its first ledger in a key, and with the key's TTL, about once every TTL_STEP_MS.
+-- Counters no call of this key's current writers names are dropped once empty (see STALE in
+-- prelude.lua): a key busy for ever under changing rules keeps a bounded set of fields.
 local function op_prune(s)
   local fields = s.fields
   local flat = redis.call('HGETALL', s.key)
+  local t = now_for(s)
   for i = 1, #flat, 2 do  -- what the call fetched or staged wins over what is stored
-    if fields[flat[i]] == nil then fields[flat[i]] = flat[i + 1] end
+    local name = flat[i]
+    if fields[name] == nil then
+      local value = flat[i + 1]
+      fields[name] = value
+      local stale = STALE[string.byte(name, 1)]
+      if stale and stale(name, value, t) then stage_del(s, name) end
+    end
   end
   local live = {}
   for name, value in pairs(fields) do

@@ -35,6 +35,15 @@
 -- moves later slots before their own charge: a fuzzer found it admitting too much. A refund
 -- (no `at`) gives back from the tail, never below the last queued turn.
 
+-- A bucket is full when TAT <= now; every item it records (turns, holes, floors, the last
+-- admission) lies at or below TAT, so in the past then (see STALE in prelude.lua).
+STALE[103] = function(name, value, now)  -- 'g'
+  local rate = tonumber(string.match(name, '^g%d+/(%d+)/%d+$'))
+  local tat, frac = string.match(value, '^(%-?%d+):(%d+)')
+  if not rate or not tat then return false end
+  return (tonumber(tat) - now) * rate + tonumber(frac) <= 0
+end
+
 -- Built on first use in a call (see prelude.lua's algorithm()).
 FACTORIES.gcra = function()
   local TURNS, HOLES = 16, 16

@@ -20,6 +20,12 @@
 local CALL = {slack = 0, writing = false, emptied = nil}
 local ALGORITHMS = {}  -- code -> {check, charge, refund[, release, renew, field]}
 local FACTORIES = {}  -- code -> function building that table
+-- A counter field of a limit no call names any more (a rules version replaced it, or another
+-- limiter's rules use it) is read by nobody, so nothing else would ever drop it while the key
+-- stays busy. STALE[first byte of its name](name, value, now) is true when the field holds
+-- nothing at `now` (the key's time): dropping it then changes no decision, as a field that
+-- never existed reads the same. decide.lua's op_prune asks, about once every TTL_STEP_MS.
+local STALE = {}
 
 -- Each algorithm file registers a factory; a call builds only the algorithms it uses, so
 -- the script's fixed cost does not grow with every algorithm it knows.

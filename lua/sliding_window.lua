@@ -30,6 +30,25 @@
 -- bucket's life. Every number is written with fmt: under count_refused totals pass 1e14, which
 -- Lua's own number-to-text would print as 1e+14.
 
+-- A window is empty when its newest record's bucket has left it (see STALE in prelude.lua).
+local function sw_stale(name, value, now)
+  local period, precision = string.match(name, '^[wf](%d+)/(%d+)$')
+  local base, at = string.match(value, '^(%d+)|%d+|()')
+  if not period or not at then return false end
+  -- the newest record, found from the end as sw_tail finds it (records are under 64 bytes)
+  local from = #value - 64
+  if from < at then from = at end
+  local offset = string.match(value, '.*,(%d+):%d+$', from)
+                 or string.match(value, '^(%d+):%d+$', at)
+  if not offset then return false end
+  local p = tonumber(precision)
+  if p <= 0 then return false end
+  local n = math.ceil(tonumber(period) / p)
+  return tonumber(base) + tonumber(offset) <= math.floor(now / p) - n
+end
+STALE[119] = sw_stale  -- 'w'
+STALE[102] = sw_stale  -- 'f'
+
 -- Built on first use in a call (see prelude.lua's algorithm()).
 FACTORIES.sw = function()
   local function sw_name(pair)

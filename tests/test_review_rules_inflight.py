@@ -5,11 +5,12 @@ checks. Tests that FAIL on the reviewed code show a defect (see the report)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import redis.asyncio as redis_asyncio
 
-from aiolimit import Limit, Limiter, RuleSet
+from aiolimit import Limit, Limiter, RuleSet, TokenBucket
 from aiolimit._errors import AiolimitError
 from aiolimit._follow import rules_keys
 from aiolimit.testing import ManualClock
@@ -99,23 +100,82 @@ async def test_a_garbage_rules_document_is_rejected_not_raised(
 # -- promise 3: bounded state per rules version ------------------------------------------------
 
 
-async def test_stale_fields_of_replaced_rules_do_not_pile_up(redis_url: str, prefix: str) -> None:
+async def _fields(redis_url: str, key: str) -> list[bytes]:
+    client = redis_asyncio.from_url(redis_url)
+    try:
+        return sorted(await client.hkeys(key))
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "version",
+    [
+        pytest.param(lambda v: [Limit(5, per=v + 2)], id="sliding"),
+        pytest.param(lambda v: [TokenBucket(v + 1, per=1, burst=5)], id="token-bucket"),
+    ],
+)
+async def test_stale_fields_of_replaced_rules_go_once_their_windows_pass(
+    redis_url: str, prefix: str, version: Any
+) -> None:
     """Every rules version whose limits store under a new field (another period, precision,
-    burst) leaves its field in each busy identifier's hash: the key never idles, so it never
-    expires, and op_prune's HGETALL reads them all. 40 versions must not make 40+ fields."""
+    rate) leaves its field in each busy identifier's hash: the key never idles, so it never
+    expires. Once a field holds nothing (its window passed, its bucket refilled) it goes: 40
+    versions do not leave 40 fields."""
     clock = ManualClock(START)
-    async with Limiter(redis_url, "5/second", prefix=prefix, clock=clock) as limiter:
-        for version in range(40):
-            limiter.set_rules(f"5/{version + 2}s")
+    async with Limiter(redis_url, version(0), prefix=prefix, clock=clock) as limiter:
+        key = limiter.storage_keys("user:1")[0]
+        for v in range(40):
+            limiter.set_rules(version(v))
             assert (await limiter.try_acquire("user:1")).allowed
             clock.advance(0.5)
+        clock.advance(45)  # past the longest window (41 s), and every bucket refilled
+        assert (await limiter.try_acquire("user:1")).allowed
+        fields = await _fields(redis_url, key)
+    # In force: one limit field, plus "t", "x" and this limiter's op ledger.
+    assert len(fields) == 4, fields
+
+
+async def test_a_live_counter_of_other_rules_on_the_key_is_kept(
+    redis_url: str, prefix: str
+) -> None:
+    """Two limiters on one prefix with different rules (a rolling deploy): the one that prunes
+    the key must not drop the other's counter while its window holds charges."""
+    clock = ManualClock(START)
+    async with (
+        Limiter(redis_url, "5/10s", prefix=prefix, clock=clock) as old,
+        Limiter(redis_url, "50/20s", prefix=prefix, clock=clock) as new,
+    ):
+        for _ in range(3):
+            assert (await old.try_acquire("user:1")).allowed
+        clock.advance(5)
+        for _ in range(3):  # its first ledger in the key prunes the key's fields
+            assert (await new.try_acquire("user:1")).allowed
+        clock.advance(3)  # 8 s after the old limiter's charges: its window holds them
+        admitted = [(await old.try_acquire("user:1")).allowed for _ in range(4)]
+    assert admitted == [True, True, False, False]
+
+
+async def test_fields_that_only_look_like_counters_are_left_alone(
+    redis_url: str, prefix: str
+) -> None:
+    """A field named like a counter but not holding one (written by hand) is not judged, and
+    the prune reading it raises nothing."""
+    clock = ManualClock(START)
+    async with Limiter(redis_url, "5/second", prefix=prefix, clock=clock) as limiter:
+        assert (await limiter.try_acquire("user:1")).allowed
+        key = limiter.storage_keys("user:1")[0]
         client = redis_asyncio.from_url(redis_url)
         try:
-            fields = await client.hkeys(limiter.storage_keys("user:1")[0])
+            odd = {"w": "1", "wx/y": "1|0|0:1", "w1/0": "1|0|0:1", "g1/x/2": "5:0", "gx": "",
+                   "f5/5": "garbage", "w10/1": "1|0|", "g1000000/1/1": "x:0"}  # fmt: skip
+            await client.hset(key, mapping=odd)
+            clock.advance(60)  # the TTL step passes: this write prunes
+            assert (await limiter.try_acquire("user:1")).allowed
+            left = {name.decode() for name in await client.hkeys(key)}
         finally:
             await client.aclose()
-    # In force: one limit field, plus "t", "x" and this limiter's op ledger.
-    assert len(fields) <= 6, sorted(fields)
+    assert set(odd) <= left
 
 
 # -- promises 1 and 2: a refund after a rules change -------------------------------------------
