@@ -712,14 +712,28 @@ class Limiter:
             plans = screened
         return await self._decide(PEEK, plans, weight)
 
-    async def refund(self, ids: Identifiers, weight: int = 1) -> Decision:
+    async def refund(
+        self, ids: Identifiers, weight: int = 1, *, decision: Decision | None = None
+    ) -> Decision:
         """Gives ``weight`` back on every pair (newest charges first, never below zero), under
-        the rules in force (following the rules in Redis: the identifier's override too)."""
-        if self._follower is not None:
-            unread = await self._follow(ids, strict=True)
-            if unread is not None:
-                raise unread
-        plans = self._rules.plans(ids)
+        the rules in force (following the rules in Redis: the identifier's override too).
+
+        With ``decision`` (an admission this limiter made), only the pairs it charged are
+        credited, whatever the rules are now: a limit added since is left alone, a limit
+        removed since still gets its charge back. ``ids`` then names which of its identifiers
+        to credit (each must be one it charged). A degraded decision charged nothing: it is
+        returned as is, and nothing is sent; a refused one raises ``InvalidRequestError``.
+        """
+        if decision is not None:
+            plans = self._rules.plans_charged(ids, decision)
+            if decision.degraded:
+                return decision
+        else:
+            if self._follower is not None:
+                unread = await self._follow(ids, strict=True)
+                if unread is not None:
+                    raise unread
+            plans = self._rules.plans(ids)
         weight = check_weight(weight, [])
         self._check_usable()
         self._failure.check_open()

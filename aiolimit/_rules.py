@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Protocol, TypeAlias
 
+from aiolimit._decision import Decision
 from aiolimit._errors import ConfigurationError, InvalidRequestError, WeightNeverFits
 from aiolimit._keys import aux_key, identifier_kind, main_key
 from aiolimit._limits import BaseLimit, parse_limits
@@ -218,26 +219,58 @@ class Rules:
             identifier = ids[0]
             if type(identifier) is str and identifier:
                 return [self.plan_for(identifier)]
-        elif not isinstance(ids, (list, tuple, set, frozenset)):
-            raise InvalidRequestError(
-                f"identifiers must be a str or a list/tuple of str, got {type(ids).__name__}"
-            )
-        if not ids:
-            raise InvalidRequestError("at least one identifier is needed, got none")
-        seen: dict[str, None] = {}
-        for identifier in ids:
-            if not isinstance(identifier, str):
-                raise InvalidRequestError(
-                    f"identifiers must be str, got {identifier!r} ({type(identifier).__name__})"
-                )
-            if not identifier:
-                raise InvalidRequestError("an identifier must not be the empty string")
-            seen[identifier] = None
         plan = self.plan_for
-        return [plan(identifier) for identifier in seen]
+        return [plan(identifier) for identifier in _identifiers(ids)]
+
+    def plans_charged(self, ids: object, decision: object) -> list[IdentifierPlan]:
+        """The plans of the pairs ``decision`` charged on ``ids`` (validated as ``plans``
+        validates them), built from the decision's own limits, not from these rules."""
+        if not isinstance(decision, Decision):
+            raise InvalidRequestError(
+                f"decision must be a Decision the limiter returned, got {type(decision).__name__}"
+            )
+        if not decision.allowed:
+            raise InvalidRequestError(
+                "a refused decision charged nothing: there is nothing of it to give back"
+            )
+        charged: dict[str, list[BaseLimit]] = {}
+        for pair in decision.details:
+            charged.setdefault(pair.identifier, []).append(pair.limit)
+        plans = []
+        for identifier in _identifiers(ids):
+            limits = charged.get(identifier)
+            if limits is None:
+                raise InvalidRequestError(
+                    f"identifier {identifier!r} was not charged by this decision; it charged "
+                    f"{sorted(charged)}"
+                )
+            plans.append(self._plan_of(identifier, tuple(limits)))
+        return plans
 
     def all_keys(self, identifier: str) -> tuple[str, ...]:
         return self.plan_for(identifier).keys
+
+
+def _identifiers(ids: object) -> list[str]:
+    """A call's identifiers, validated; duplicates count once, order is kept."""
+    if isinstance(ids, str):
+        ids = (ids,)
+    elif not isinstance(ids, (list, tuple, set, frozenset)):
+        raise InvalidRequestError(
+            f"identifiers must be a str or a list/tuple of str, got {type(ids).__name__}"
+        )
+    if not ids:
+        raise InvalidRequestError("at least one identifier is needed, got none")
+    seen: dict[str, None] = {}
+    for identifier in ids:
+        if not isinstance(identifier, str):
+            raise InvalidRequestError(
+                f"identifiers must be str, got {identifier!r} ({type(identifier).__name__})"
+            )
+        if not identifier:
+            raise InvalidRequestError("an identifier must not be the empty string")
+        seen[identifier] = None
+    return list(seen)
 
 
 class RemoteLookup(Protocol):

@@ -4,6 +4,7 @@ checks. Tests that FAIL on the reviewed code show a defect (see the report)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -186,13 +187,14 @@ async def test_refund_after_a_limit_was_added_does_not_over_admit(
     redis_url: str, prefix: str, store: str
 ) -> None:
     """A request admitted under v1 (5/minute) is refunded after v2 (5/minute + 2/second) came
-    into force. The refund credits the 2/second pair, which that request was never charged:
-    charges of two other requests in this second are given back, and a third is admitted in
-    the same second: 3 admitted under a limit of 2."""
+    into force. Refunded by identifier, the refund follows the rules in force and credits the
+    2/second pair, which that request was never charged (a third request was then admitted in
+    that second). Refunded with its decision, only the pairs it charged get it back."""
     clock = ManualClock(START)
     url = redis_url if store == "redis" else "memory://"
     async with Limiter(url, "5/minute", prefix=prefix, clock=clock) as limiter:
-        assert (await limiter.try_acquire("user:1")).allowed  # A, under v1
+        first = await limiter.try_acquire("user:1")  # A, under v1
+        assert first.allowed
         limiter.set_rules("5/minute;2/second")
         clock.advance(0.1)
         admitted_this_second = 0
@@ -200,10 +202,62 @@ async def test_refund_after_a_limit_was_added_does_not_over_admit(
             admitted_this_second += (await limiter.try_acquire("user:1")).allowed
         assert admitted_this_second == 2
         assert not (await limiter.try_acquire("user:1")).allowed
-        await limiter.refund("user:1", 1)  # A's request failed: give back what it was charged
+        after = await limiter.refund("user:1", 1, decision=first)  # A failed: give it back
+        assert [(str(p.limit), p.remaining) for p in after.details] == [("5/minute", 3)]
         clock.advance(0.1)  # still the same second
         admitted_this_second += (await limiter.try_acquire("user:1")).allowed  # D
-    assert admitted_this_second <= 2, "admitted 3 within one second under 2/second"
+        assert admitted_this_second == 2, "admitted 3 within one second under 2/second"
+        clock.advance(1)  # the next second: the 5/minute pair had A's unit back
+        assert [(await limiter.try_acquire("user:1")).allowed for _ in range(3)] == [
+            True, True, False,
+        ]  # fmt: skip
+
+
+@pytest.mark.parametrize("store", ["redis", "memory"])
+async def test_refund_of_a_decision_credits_a_limit_the_rules_dropped_since(
+    redis_url: str, prefix: str, store: str
+) -> None:
+    """v1 is 2/minute + 100/hour; v2 keeps only 100/hour. A decision made under v1, refunded
+    with it under v2, gives its unit back to the 2/minute pair too: v1 back in force admits
+    two again."""
+    clock = ManualClock(START)
+    url = redis_url if store == "redis" else "memory://"
+    async with Limiter(url, "2/minute;100/hour", prefix=prefix, clock=clock) as limiter:
+        decisions = [await limiter.try_acquire("user:1") for _ in range(2)]
+        assert all(decisions)
+        limiter.set_rules("100/hour")
+        after = await limiter.refund("user:1", decision=decisions[1])
+        assert [str(p.limit) for p in after.details] == ["2/minute", "100/hour"]
+        limiter.set_rules(None)
+        assert [(await limiter.try_acquire("user:1")).allowed for _ in range(2)] == [True, False]
+
+
+async def test_refund_of_a_decision_refuses_what_it_did_not_charge(
+    redis_url: str, prefix: str
+) -> None:
+    """Bad input is a typed error and changes nothing stored: an identifier the decision did
+    not charge, a refused decision, something that is not a decision. A degraded decision
+    charged nothing: it is given back as is, nothing is sent."""
+    from aiolimit import InvalidRequestError
+
+    clock = ManualClock(START)
+    async with Limiter(redis_url, "2/minute", prefix=prefix, clock=clock) as limiter:
+        both = await limiter.try_acquire(["user:1", "user:2"])
+        assert (await limiter.try_acquire("user:1")).allowed
+        refused = await limiter.try_acquire("user:1")
+        assert not refused.allowed
+        with pytest.raises(InvalidRequestError, match="'user:3' was not charged"):
+            await limiter.refund(["user:1", "user:3"], decision=both)
+        with pytest.raises(InvalidRequestError, match="refused decision"):
+            await limiter.refund("user:1", decision=refused)
+        with pytest.raises(InvalidRequestError, match="must be a Decision"):
+            await limiter.refund("user:1", decision="user:1")  # type: ignore[arg-type]
+        degraded = dataclasses.replace(both, degraded=True)
+        assert await limiter.refund("user:1", decision=degraded) is degraded
+        assert [p.remaining for p in (await limiter.peek(["user:1", "user:2"])).details] == [0, 1]
+        partial = await limiter.refund("user:2", decision=both)  # one of its identifiers
+        assert [p.identifier for p in partial.details] == ["user:2"]
+        assert [p.remaining for p in (await limiter.peek(["user:1", "user:2"])).details] == [0, 2]
 
 
 # -- held on the reviewed code -----------------------------------------------------------------

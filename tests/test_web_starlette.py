@@ -215,6 +215,28 @@ async def test_refund_on_exception_and_5xx(limiter_factory: Factory) -> None:
     assert items(ok.headers["ratelimit"])["ip-2-per-60s"]["r"] == 1
 
 
+async def test_refund_on_error_gives_back_only_what_the_request_was_charged(
+    limiter_factory: Factory,
+) -> None:
+    """Rules that change while a request runs (a limit added) do not change what its refund
+    gives back: the new pair, filled by others meanwhile, is not credited."""
+    limiter = limiter_factory({"ip": [Limit(5, per=60, precision=1)]})
+
+    async def change_then_fail(request: Request) -> PlainTextResponse:
+        limiter.set_rules({"ip": [Limit(5, per=60, precision=1), Limit(2, per=30)]})
+        for _ in range(2):  # two other requests of this client fill the new 2/30s pair
+            assert (await limiter.try_acquire("ip:127.0.0.1")).allowed
+        raise RuntimeError("handler failed")
+
+    app = starlette_app(limiter, refund_on_error=True)
+    app.add_route("/change", change_then_fail)
+    async with serve(app) as client:
+        failed = await client.get("/change")
+        after = await limiter.peek("ip:127.0.0.1")
+    assert failed.status_code == 500
+    assert [p.remaining for p in after.details] == [3, 0]
+
+
 async def test_no_refund_by_default(limiter_factory: Factory) -> None:
     """Without refund_on_error, failed requests count like any other."""
     limiter = limiter_factory([Limit(2, per=60, precision=1)])

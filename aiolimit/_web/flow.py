@@ -183,15 +183,22 @@ class RouteTable:
 # -- refunds --------------------------------------------------------------------------------
 
 
-async def refund_quietly(limiter: Limiter, ids: Sequence[str], weight: int) -> None:
-    """Gives the weight back; a store failure is only logged.
+async def refund_quietly(
+    limiter: Limiter, ids: Sequence[str], weight: int, decision: Decision
+) -> None:
+    """Gives the weight back on the pairs ``decision`` charged for ``ids`` (whatever the rules
+    are now); a store failure is only logged.
 
     Cancellation of the request itself never triggers a refund (a client that hangs up early
     must not get its requests for free); a refund once started finishes even if the request
     is cancelled meanwhile (the limiter runs it in a task of its own).
     """
+    charged = {pair.identifier for pair in decision.details}
+    ids = [identifier for identifier in ids if identifier in charged]  # (not the exempt ones)
+    if not ids:
+        return
     try:
-        await limiter.refund(list(ids), weight)
+        await limiter.refund(ids, weight, decision=decision)
     except BackendError as exc:
         logger.warning("aiolimit: refund of %d on %d identifier(s) failed: %s",
                        weight, len(ids), exc)  # fmt: skip
@@ -387,7 +394,7 @@ class Verdict:
             if charge.refundable and (charge.refund or not on_error):
                 charge.given_back = True
                 ids = charge.refund_ids if on_error else charge.ids
-                await refund_quietly(charge.limiter, ids, charge.weight)
+                await refund_quietly(charge.limiter, ids, charge.weight, charge.decision)
             if not on_error:
                 await release_quietly(charge.decision, charge.limiter)
 
