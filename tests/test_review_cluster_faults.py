@@ -200,3 +200,51 @@ async def test_cancel_at_every_point_of_a_cross_slot_acquire(
     )
     assert 0 < admitted < 121, admitted  # (the sweep cut some calls and let others through)
     assert stored == (admitted, admitted), f"admitted {admitted}, stored {stored}"
+
+
+@pytest.mark.parametrize("on_error", ["raise", "open"])
+async def test_racing_cross_slot_acquirers_across_a_brief_freeze(
+    calm: cluster.Cluster, prefix: str, on_error: str
+) -> None:
+    """Promises 1 and 2: three limiters, 150 tasks racing [a, b], [a] and [b] on a limit of 5
+    while b's primary is frozen for 0.6 s in the middle (deadline 0.3 s). Admitted weight per
+    identifier never above 5; after the undos settle, stored == admitted for each."""
+    limits = [Limit(5, per=3600)]
+    a, b = two_nodes(calm, prefix, "r")
+    limiters = [
+        Limiter(calm.url, limits, prefix=prefix, deadline=0.3, on_error=on_error)
+        for _ in range(3)
+    ]
+    counts = {a: 0, b: 0}
+
+    async def one(n: int) -> None:
+        await asyncio.sleep(0.004 * n)
+        ids = [[a, b], [a], [b]][n % 3]
+        try:
+            decision = await limiters[n % 3 if n % 2 else (n // 2) % 3].try_acquire(ids)
+        except BackendError:
+            return
+        if decision.allowed and not decision.degraded:
+            for ident in ids:
+                counts[ident] += 1
+
+    async def freeze() -> None:
+        await asyncio.sleep(0.05)
+        node_of(calm, prefix, b).pause()
+        await asyncio.sleep(0.6)
+        node_of(calm, prefix, b).resume()
+
+    try:
+        await asyncio.gather(*(lim.peek([a, b]) for lim in limiters))
+        await asyncio.wait_for(asyncio.gather(freeze(), *(one(n) for n in range(150))), 20)
+        for lim in limiters:
+            await settle(lim)
+    finally:
+        calm.heal()
+        for lim in limiters:
+            await asyncio.wait_for(lim.aclose(), 15)
+    stored = {
+        ident: 5 - await remaining(calm.url, prefix, ident, limits) for ident in (a, b)
+    }
+    assert counts[a] <= 5 and counts[b] <= 5, counts
+    assert stored == counts, f"admitted {counts}, stored {stored}"
