@@ -248,3 +248,48 @@ async def test_racing_cross_slot_acquirers_across_a_brief_freeze(
     }
     assert counts[a] <= 5 and counts[b] <= 5, counts
     assert stored == counts, f"admitted {counts}, stored {stored}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+async def test_primary_lost_between_check_and_commit(
+    fresh_cluster: cluster.Cluster, prefix: str, fault: str
+) -> None:
+    """b's primary is SIGKILLed (or SIGSTOPped past the node timeout) after the check phase,
+    just before the commit; its replica is promoted within ~3 s. The decision either is
+    admitted (the commit reached the new primary) or fails with a BackendError (no other
+    redis error); after the undos settle and the old primary is back (as a replica), the
+    stored charges equal what the caller was told on both identifiers."""
+    nodes = fresh_cluster
+    limits = [Limit(3, per=3600)]
+    a, b = two_nodes(nodes, prefix, "k")
+    victim = node_of(nodes, prefix, b)
+    deadline = 6.0 if fault == "kill" else 1.0
+    limiter = Limiter(nodes.url, limits, prefix=prefix, deadline=deadline)
+    hit: list[bool] = []
+
+    async def before(calls: Any) -> None:
+        if calls[0].mode is ACQUIRE and not hit:
+            hit.append(True)
+            victim.kill() if fault == "kill" else victim.pause()
+
+    try:
+        await limiter.peek([a, b])
+        hook_run(limiter, before)
+        try:
+            told: Any = await limiter.try_acquire([a, b])
+        except BackendError as error:
+            told = error
+        nodes.wait_for_failover(victim, timeout=15)
+        if fault == "stop":
+            victim.resume()
+        await settle(limiter, timeout=20)
+    finally:
+        nodes.heal()
+        await asyncio.wait_for(limiter.aclose(), 15)
+    assert hit
+    charged = 1 if not isinstance(told, BaseException) and told.allowed else 0
+    stored = tuple(
+        [3 - await remaining(nodes.url, prefix, ident, limits) for ident in (a, b)]
+    )
+    assert stored == (charged, charged), f"told {told!r}, stored {stored}"
