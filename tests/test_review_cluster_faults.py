@@ -293,3 +293,44 @@ async def test_primary_lost_between_check_and_commit(
         [3 - await remaining(nodes.url, prefix, ident, limits) for ident in (a, b)]
     )
     assert stored == (charged, charged), f"told {told!r}, stored {stored}"
+
+
+@pytest.mark.parametrize("on_error", ["raise", "open", "closed"])
+async def test_frozen_time_authority_fails_within_the_deadline_and_charges_nothing(
+    calm: cluster.Cluster, prefix: str, on_error: str
+) -> None:
+    """Promise 5: the TIME authority (the slot-0 primary) is frozen. Cross-slot decisions on
+    identifiers held by the other primaries answer per the failure policy within the
+    deadline (0.5 s, plus a little), and after the authority resumes nothing is charged."""
+    from aiolimit import AuthorityClock
+
+    limits = [Limit(10, per=3600)]
+    authority = calm.node_for_slot(0)
+    others = [node for node in calm.primaries() if node.port != authority.port]
+    b = on_node(calm, prefix, "ab", others[0])
+    c = on_node(calm, prefix, "ac", others[1])
+    clock = AuthorityClock(calm.url)
+    limiter = Limiter(calm.url, limits, prefix=prefix, clock=clock, deadline=0.5, on_error=on_error)
+    outcomes: list[tuple[float, Any]] = []
+    try:
+        await limiter.peek([b, c])
+        authority.pause()
+        for _ in range(3):
+            started = time.monotonic()
+            try:
+                told: Any = await asyncio.wait_for(limiter.try_acquire([b, c]), 5)
+            except BackendError as error:
+                told = error
+            outcomes.append((time.monotonic() - started, told))
+        authority.resume()
+        await settle(limiter)
+    finally:
+        calm.heal()
+        await asyncio.wait_for(limiter.aclose(), 15)
+        await clock.aclose()
+    assert all(took < 0.7 for took, _ in outcomes), outcomes
+    assert not any(
+        not isinstance(t, BaseException) and t.allowed and not t.degraded for _, t in outcomes
+    ), outcomes
+    stored = [10 - await remaining(calm.url, prefix, ident, limits) for ident in (b, c)]
+    assert stored == [0, 0], stored
