@@ -334,3 +334,28 @@ async def test_frozen_time_authority_fails_within_the_deadline_and_charges_nothi
     ), outcomes
     stored = [10 - await remaining(calm.url, prefix, ident, limits) for ident in (b, c)]
     assert stored == [0, 0], stored
+
+
+async def test_refund_of_a_cross_slot_decision_while_one_node_is_frozen(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    """A refund of [a, b] meets b's primary frozen (deadline 0.3 s): it lands on a, fails on
+    b, and is finished in the background once b resumes. Two units were charged on each;
+    after it settles exactly one is given back on each (none twice, none lost)."""
+    limits = [Limit(3, per=3600)]
+    a, b = two_nodes(calm, prefix, "rf")
+    limiter = Limiter(calm.url, limits, prefix=prefix, deadline=0.3)
+    try:
+        assert (await limiter.try_acquire([a, b])).allowed
+        assert (await limiter.try_acquire([a, b])).allowed
+        node_of(calm, prefix, b).pause()
+        with pytest.raises(BackendError):
+            await limiter.refund([a, b])
+        await asyncio.sleep(0.5)
+        node_of(calm, prefix, b).resume()
+        await settle(limiter)
+    finally:
+        calm.heal()
+        await asyncio.wait_for(limiter.aclose(), 15)
+    stored = [3 - await remaining(calm.url, prefix, ident, limits) for ident in (a, b)]
+    assert stored == [1, 1], stored
