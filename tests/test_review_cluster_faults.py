@@ -359,3 +359,41 @@ async def test_refund_of_a_cross_slot_decision_while_one_node_is_frozen(
         await asyncio.wait_for(limiter.aclose(), 15)
     stored = [3 - await remaining(calm.url, prefix, ident, limits) for ident in (a, b)]
     assert stored == [1, 1], stored
+
+
+async def test_a_cross_slot_lease_taken_while_one_node_freezes_is_not_leaked(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    """Concurrency(1) on [a, b]: b's primary is frozen just before the commit (the lease on a
+    is taken; b hangs); the decision fails at its deadline. b resumes and runs its queued
+    commit late. After the undos settle, both leases are free: a new [a, b] is admitted at
+    once, and only one (the limit) of two concurrent ones is."""
+    from aiolimit import Concurrency
+
+    limits = [Concurrency(1, lease_ttl=600)]
+    a, b = two_nodes(calm, prefix, "l")
+    frozen = node_of(calm, prefix, b)
+    limiter = Limiter(calm.url, limits, prefix=prefix, deadline=0.4)
+    froze: list[bool] = []
+
+    async def before(calls: Any) -> None:
+        if calls[0].mode is ACQUIRE and not froze:
+            froze.append(True)
+            frozen.pause()
+
+    try:
+        await limiter.peek([a, b])
+        hook_run(limiter, before)
+        with pytest.raises(BackendError):
+            await limiter.try_acquire([a, b])
+        await asyncio.sleep(0.6)
+        frozen.resume()
+        await settle(limiter)
+        first = await limiter.try_acquire([a, b])
+        second = await limiter.try_acquire([a, b])
+    finally:
+        calm.heal()
+        await asyncio.wait_for(limiter.aclose(), 15)
+    assert froze
+    assert first.allowed, first
+    assert not second.allowed, second
