@@ -269,13 +269,14 @@ class Protocol:
 
     async def decide(
         self, mode: Mode, plans: Sequence[IdentifierPlan], weight: int, op: Op | None = None,
-        max_wait_us: int = 0,
+        max_wait_us: int = 0, *, checked: bool = False,
     ) -> Decision:  # fmt: skip
         """Runs ``mode`` (see ``lua/decide.lua``) over every plan, all or nothing.
 
         ``max_wait_us`` > 0 lets queueable (GCRA) pairs reserve a turn within that wait; the
         delay comes back as the pairs' ``retry_after`` on an allowed decision. An acquire
-        needs an ``op``; ``acquire`` is the safe way to make one.
+        needs an ``op``; ``acquire`` is the safe way to make one. ``checked``: an acquire
+        across slots whose check phase allowed already (``_check_phase``): commit at once.
         """
         now_us = None if self._server_time else await client_now(self._clock)
         if self._store.single_slot:
@@ -294,15 +295,13 @@ class Protocol:
             self.statistics.single_slot += 1
             calls = self._calls(mode, groups, weight, now_us, op, max_wait_us)
             return _merge(await self._replies(calls))
-        self.statistics.multi_slot += 1
-        counts = self.statistics.slots_per_call
-        counts[len(groups)] = counts.get(len(groups), 0) + 1
+        self._count_slots(len(groups))
         if mode is not ACQUIRE:
             # check, refund and undo touch each slot independently.
             calls = self._calls(mode, groups, weight, now_us, op, max_wait_us)
             return _merge(await self._replies(calls))
         assert op is not None
-        return await self._two_phase(groups, weight, now_us, op, max_wait_us)
+        return await self._two_phase(groups, weight, now_us, op, max_wait_us, checked=checked)
 
     async def acquire(
         self, plans: Sequence[IdentifierPlan], weight: int, max_wait_us: int = 0
@@ -330,6 +329,21 @@ class Protocol:
                 slots = await self._enter(keys)
         else:
             keys = [plan.keys[0] for plan in plans]
+            checked = False
+            if not self._store.single_slot and not self._penalty:
+                groups = self._groups(plans)
+                if len(groups) > 1:
+                    # Across slots the check phase comes first, before this call takes its
+                    # places among the calls in flight on its keys and opens its op: checks
+                    # write nothing and carry no op, and a call stuck there (a frozen node)
+                    # must not hold a place on its other keys, which healthy calls on them
+                    # would queue for (fault isolation). A refusal ends the call here.
+                    now_us = None if self._server_time else await client_now(self._clock)
+                    refused = await self._check_phase(groups, weight, max_wait_us, now_us)
+                    if refused is not None:
+                        self._count_slots(len(groups))
+                        return refused
+                    checked = True
             in_flight, queued = self._in_flight, self._queued
             for key in keys:
                 if in_flight.get(key, 0) >= MAX_IN_FLIGHT or key in queued:
@@ -356,6 +370,10 @@ class Protocol:
                     if isinstance(reply, BaseException):
                         raise reply
                     result = reply_decision(call, reply)
+                elif len(plans) > 1 and checked:
+                    result = await self.decide(
+                        ACQUIRE, plans, weight, op, max_wait_us, checked=True
+                    )
                 else:
                     result = await self.decide(ACQUIRE, plans, weight, op, max_wait_us)
             except BaseException as error:
@@ -474,16 +492,32 @@ class Protocol:
 
         return await self._shielded(refund(), own_budget=False)
 
+    def _count_slots(self, slots: int) -> None:
+        self.statistics.multi_slot += 1
+        counts = self.statistics.slots_per_call
+        counts[slots] = counts.get(slots, 0) + 1
+
+    async def _check_phase(
+        self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, max_wait_us: int,
+        now_us: int | None,
+    ) -> Decision | None:  # fmt: skip
+        """Phase 1 across slots: one read-only check per slot, concurrently. The refusal
+        (nothing was written), or None when every slot allows."""
+        checks = self._calls(CHECK, groups, weight, now_us, None, max_wait_us)
+        checked = await self._raw_replies(checks)
+        if all(allows(raw) for raw in checked):  # (an allowed check needs no decoding)
+            return None
+        self.statistics.refused_at_check += 1
+        return _merge([decode(c, r) for c, r in zip(checks, checked, strict=True)])
+
     async def _two_phase(
         self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, now_us: int | None,
-        op: Op, max_wait_us: int,
+        op: Op, max_wait_us: int, *, checked: bool = False,
     ) -> Decision:  # fmt: skip
-        if not self._penalty:
-            checks = self._calls(CHECK, groups, weight, now_us, None, max_wait_us)
-            checked = await self._raw_replies(checks)
-            if not all(allows(raw) for raw in checked):  # (an allowed check needs no decoding)
-                self.statistics.refused_at_check += 1
-                return _merge([decode(c, r) for c, r in zip(checks, checked, strict=True)])
+        if not self._penalty and not checked:
+            refused = await self._check_phase(groups, weight, max_wait_us, now_us)
+            if refused is not None:
+                return refused
         calls = self._calls(ACQUIRE, groups, weight, now_us, op, max_wait_us)
         try:
             results = await self._store.run(calls)

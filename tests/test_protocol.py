@@ -22,7 +22,7 @@ from aiolimit._rules import Rules
 from aiolimit._stores.base import Store
 
 LIMITS = [Limit(3, per=60), Limit(5, per=3600)]
-SLOTS = {"a": 1, "b": 2, "c": 3, "a2": 1}
+SLOTS = {"a": 1, "b": 2, "c": 3, "a2": 1, "g": 4}
 
 Hook = Callable[[str, Call], None]
 
@@ -312,19 +312,26 @@ async def test_a_deadline_during_the_commit_still_undoes_every_slot(
 
 class HeldSlots(FakeSlots):
     """FakeSlots whose calls wait for a permit each (``let``), so a test sees how many are
-    in flight at once."""
+    in flight at once. Checks (phase 1 across slots) go at once, unless ``hold_checks``
+    names the identifier whose slot holds them (a frozen node)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.permits = asyncio.Semaphore(0)
         self.running: dict[str, int] = {}
         self.most: dict[str, int] = {}
+        self.hold_checks: str | None = None
 
     def let(self, count: int) -> None:
         for _ in range(count):
             self.permits.release()
 
     async def run(self, calls: Sequence[Call]) -> list[list[int] | BaseException]:  # type: ignore[override]
+        if calls[0].mode is Mode.CHECK:
+            held = [c for c in calls if c.plans[0].identifier == self.hold_checks]
+            if held:
+                await asyncio.Event().wait()  # (never answers: the caller's deadline ends it)
+            return await super().run(calls)
         name = calls[0].plans[0].identifier
         self.running[name] = self.running.get(name, 0) + 1
         self.most[name] = max(self.most.get(name, 0), self.running[name])
@@ -363,10 +370,37 @@ async def test_a_burst_on_one_identifier_leaves_max_in_flight_at_a_time() -> Non
     assert proto._in_flight == {} and proto._queued == {}
 
 
+async def test_calls_stuck_in_their_check_take_no_place_on_their_other_identifiers() -> None:
+    """Fault isolation: 200 calls on ["g", "b"] whose check never comes back from b's slot (a
+    frozen node) hold no place among the calls in flight on "g": MAX_IN_FLIGHT calls on "g"
+    alone, and a call on ["g", "c"], still go at once (they queued behind the stuck ones)."""
+    slots = HeldSlots()
+    slots.hold_checks = "b"
+    rules = Rules([Limit(10**6, per=60)], "p")
+    proto = protocol(slots)
+    stuck = [asyncio.ensure_future(proto.acquire(rules.plans(["g", "b"]), 1)) for _ in range(200)]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert proto._in_flight == {}  # (no place taken, no op open)
+    alone = [
+        asyncio.ensure_future(proto.acquire([rules.plan("g")], 1)) for _ in range(MAX_IN_FLIGHT)
+    ]
+    await _until(lambda: slots.running.get("g") == MAX_IN_FLIGHT)
+    assert proto.statistics.waited_in_flight == 0
+    slots.let(MAX_IN_FLIGHT + 2)  # (those, then the commit of ["g", "c"] on each slot)
+    assert all(d.allowed for d in await asyncio.gather(*alone))
+    assert (await proto.acquire(rules.plans(["g", "c"]), 1)).allowed
+    for task in stuck:
+        task.cancel()
+    await asyncio.gather(*stuck, return_exceptions=True)
+    assert proto._in_flight == {} and proto._queued == {} and not proto._tasks  # nothing to undo
+
+
 async def test_a_burst_on_two_identifiers_respects_each_ones_cap() -> None:
     """The same with two identifiers per call (``acquire`` takes both slots without waiting
-    when both are free, else waits in line): MAX_IN_FLIGHT at a time; and a call whose second
-    identifier is full waits, while a call on its first alone goes."""
+    when both are free, else waits in line): MAX_IN_FLIGHT commits at a time (checks carry no
+    op and write nothing: they are not held back); and a call whose second identifier is full
+    waits, while a call on its first alone goes."""
     slots = HeldSlots()
     rules = Rules([Limit(10**6, per=60)], "p")
     proto = protocol(slots)

@@ -1,4 +1,4 @@
-"""Adversarial review (h1): the cluster two-phase protocol under node faults.
+"""The cluster two-phase protocol under node faults (from an adversarial review).
 
 Each test starts or reuses a private cluster of real redis-server processes (no replicas,
 node timeout 15 s: a SIGSTOPped primary is never failed over while a test runs) and checks
@@ -18,7 +18,7 @@ from redis.crc import key_slot
 
 import cluster
 from aiolimit import BackendError, Limit, Limiter
-from aiolimit._calls import ACQUIRE, CHECK, UNDO
+from aiolimit._calls import ACQUIRE
 from aiolimit._keys import main_key
 
 pytestmark = [pytest.mark.cluster]
@@ -42,7 +42,9 @@ def two_nodes(nodes: cluster.Cluster, prefix: str, tag: str) -> tuple[str, str]:
     a = f"{tag}:0"
     port_a = node_of(nodes, prefix, a).port
     b = next(
-        f"{tag}:{i}" for i in range(1, 10_000) if node_of(nodes, prefix, f"{tag}:{i}").port != port_a
+        f"{tag}:{i}"
+        for i in range(1, 10_000)
+        if node_of(nodes, prefix, f"{tag}:{i}").port != port_a
     )
     return a, b
 
@@ -108,7 +110,9 @@ async def test_commit_frozen_on_one_slot_charges_nothing_after_resume(
 
 def on_node(nodes: cluster.Cluster, prefix: str, tag: str, node: cluster.Node) -> str:
     return next(
-        f"{tag}:{i}" for i in range(10_000) if node_of(nodes, prefix, f"{tag}:{i}").port == node.port
+        f"{tag}:{i}"
+        for i in range(10_000)
+        if node_of(nodes, prefix, f"{tag}:{i}").port == node.port
     )
 
 
@@ -118,10 +122,10 @@ async def test_calls_stuck_on_a_frozen_node_do_not_delay_a_shared_identifier_els
     """Promise 4 (fault isolation). A shared identifier ``g`` (say a global or per-tenant
     limit) lives on primary A; users live on B and C. B is frozen; 200 requests
     [g, user-on-B] wait for it (they will fail at their 1 s deadline: they need B). A request
-    [g, user-on-C] needs only A and C, both healthy: it must be answered at normal speed and
-    admitted. It is not: the stuck cross-slot calls hold all MAX_IN_FLIGHT (128) in-flight
-    places of ``g`` (``Protocol._enter``), so the healthy request queues behind them until
-    they time out, and itself runs out of its deadline."""
+    [g, user-on-C] needs only A and C, both healthy: it is answered at normal speed and
+    admitted. (It was not: the stuck calls held all MAX_IN_FLIGHT (128) in-flight places of
+    ``g`` while their check waited, so the healthy request queued behind them until they
+    timed out.)"""
     limits = [Limit(1_000_000, per=3600)]
     node_a, node_b, node_c = calm.primaries()[:3]
     g = on_node(calm, prefix, "g", node_a)
@@ -147,11 +151,11 @@ async def test_calls_stuck_on_a_frozen_node_do_not_delay_a_shared_identifier_els
     assert took < 0.3, f"a healthy decision took {took:.2f} s"
 
 
-async def settle(limiter: Limiter, timeout: float = 10.0) -> None:
+async def settle(limiter: Limiter, within: float = 10.0) -> None:
     """Waits until the limiter's background undos and the store's pipelines are done."""
     protocol = limiter._protocol
     batcher = protocol._store._batcher  # type: ignore[attr-defined]
-    stop = time.monotonic() + timeout
+    stop = time.monotonic() + within
     while protocol._tasks or not batcher.idle:
         assert time.monotonic() < stop, "background work did not settle"
         await asyncio.sleep(0.01)
@@ -162,9 +166,9 @@ async def test_cancel_at_every_point_of_a_cross_slot_acquire(
     calm: cluster.Cluster, prefix: str, frozen_briefly: bool
 ) -> None:
     """Promise 1 under cancellation: a cross-slot [a, b] try_acquire is cancelled after k
-    event-loop iterations (k = 0..39), or after up to 16 ms (and, optionally, while b's primary is frozen for 0.3 s
-    in the middle). After the undos settle, the stored charge of each identifier equals the
-    number of decisions whose caller got 'admitted'."""
+    event-loop iterations (k = 0..39), or after up to 16 ms (and, optionally, while b's primary
+    is frozen for 0.3 s in the middle). After the undos settle, the stored charge of each
+    identifier equals the number of decisions whose caller got 'admitted'."""
     big = 1_000_000
     limits = [Limit(big, per=3600)]
     a, b = two_nodes(calm, prefix, "c")
@@ -212,8 +216,7 @@ async def test_racing_cross_slot_acquirers_across_a_brief_freeze(
     limits = [Limit(5, per=3600)]
     a, b = two_nodes(calm, prefix, "r")
     limiters = [
-        Limiter(calm.url, limits, prefix=prefix, deadline=0.3, on_error=on_error)
-        for _ in range(3)
+        Limiter(calm.url, limits, prefix=prefix, deadline=0.3, on_error=on_error) for _ in range(3)
     ]
     counts = {a: 0, b: 0}
 
@@ -243,9 +246,7 @@ async def test_racing_cross_slot_acquirers_across_a_brief_freeze(
         calm.heal()
         for lim in limiters:
             await asyncio.wait_for(lim.aclose(), 15)
-    stored = {
-        ident: 5 - await remaining(calm.url, prefix, ident, limits) for ident in (a, b)
-    }
+    stored = {ident: 5 - await remaining(calm.url, prefix, ident, limits) for ident in (a, b)}
     assert counts[a] <= 5 and counts[b] <= 5, counts
     assert stored == counts, f"admitted {counts}, stored {stored}"
 
@@ -283,15 +284,13 @@ async def test_primary_lost_between_check_and_commit(
         nodes.wait_for_failover(victim, timeout=15)
         if fault == "stop":
             victim.resume()
-        await settle(limiter, timeout=20)
+        await settle(limiter, within=20)
     finally:
         nodes.heal()
         await asyncio.wait_for(limiter.aclose(), 15)
     assert hit
     charged = 1 if not isinstance(told, BaseException) and told.allowed else 0
-    stored = tuple(
-        [3 - await remaining(nodes.url, prefix, ident, limits) for ident in (a, b)]
-    )
+    stored = tuple([3 - await remaining(nodes.url, prefix, ident, limits) for ident in (a, b)])
     assert stored == (charged, charged), f"told {told!r}, stored {stored}"
 
 

@@ -1,6 +1,6 @@
-"""Review: rules that change while requests are in flight, and limiters with different rules on
+"""Rules that change while requests are in flight, and limiters with different rules on
 one store. Real redis-server processes (conftest's fixtures); each test names the promise it
-checks. Tests that FAIL on the reviewed code show a defect (see the report)."""
+checks (from an adversarial review)."""
 
 from __future__ import annotations
 
@@ -260,7 +260,7 @@ async def test_refund_of_a_decision_refuses_what_it_did_not_charge(
         assert [p.remaining for p in (await limiter.peek(["user:1", "user:2"])).details] == [0, 2]
 
 
-# -- held on the reviewed code -----------------------------------------------------------------
+# -- held before the review's fixes too --------------------------------------------------------
 
 
 async def test_cached_refusal_does_not_outlive_a_larger_limit(redis_url: str, prefix: str) -> None:
