@@ -49,6 +49,8 @@ end
 STALE[119] = sw_stale  -- 'w'
 STALE[102] = sw_stale  -- 'f'
 
+local REBASE_AT = 2 ^ 52  -- see sw_rebase
+
 -- Built on first use in a call (see prelude.lua's algorithm()).
 FACTORIES.sw = function()
   local function sw_name(pair)
@@ -260,6 +262,25 @@ FACTORIES.sw = function()
     sw_tail(b)
   end
 
+  -- Running totals only grow on a key that never idles (a window empties, and its totals
+  -- start again from 0, only when it goes a whole period without a charge). A Lua number
+  -- holds integers exactly up to 2^53, and counts are differences of totals: before they
+  -- reach REBASE_AT (2^52, so that a charge of at most 2^52 more is exact too; weights are
+  -- at most 10^12) every total is lowered by c0, the total before the window's first record
+  -- (when that is at least half of it: a window that itself holds 2^51, which only
+  -- count_refused could fill so, is past exact counting anyway).
+  -- That rewrites each record once, and takes at least 2^52 / (weight a window holds)
+  -- charges to come round again: ~4,500 windows of 10^12, i.e. every few hours at the
+  -- largest limit kept full, every few centuries at 10^6.
+  local function sw_rebase(b)
+    local c0 = b.c0
+    b.rest = string.gsub(b.rest, '(%d+):(%d+)', function(offset, c)
+      return offset .. ':' .. fmt(tonumber(c) - c0)
+    end)
+    b.c0 = 0
+    sw_tail(b)
+  end
+
   return {
     field = sw_field,
 
@@ -291,6 +312,7 @@ FACTORIES.sw = function()
       b.stored = nil  -- (changed from here on: no longer the parse of its filed text)
       local p, n, cur = sw_geometry(pair, now)
       sw_trim(b, cur - n)
+      if b.rest and b.total + weight >= REBASE_AT and b.c0 >= REBASE_AT / 2 then sw_rebase(b) end
       -- The newest record is rewritten or one appended; the tail fields follow without a parse.
       local total = b.total + weight
       if not b.rest then
