@@ -281,8 +281,76 @@ FACTORIES.sw = function()
     sw_tail(b)
   end
 
+  -- decide.lua's fast path (see fast_acquire there): an acquire of `weight` on this pair,
+  -- from the field's stored text `raw` (nil: none) at `now`, in the common case only: the
+  -- window allows it and no record leaves it. Then the text to store, the pair's remaining,
+  -- its reset_after and the TTL it wants (ms), exactly as check, charge and sw_store would
+  -- make them; else nil (decide() takes the general way, which has written nothing yet).
+  local function sw_fast(raw, pair, now, weight)
+    local spec = pair.spec
+    local p, n = pair.param, spec.sw_n
+    local cur = math.floor(now / p)
+    local base, c0, rest, head, first_off, last, colon, newest, total
+    if raw then
+      local m = PARSED[raw]
+      if m and m.stored == raw then
+        base, c0, rest, head, first_off = m.base, m.c0, m.rest, m.head, m.first_off
+        last, colon, newest, total = m.last, m.colon, m.newest, m.total
+      else
+        head, base, c0, rest = string.match(raw, '^((%d+)|(%d+)|)(.+)$')
+        if not base then return nil end
+        base, c0 = tonumber(base), tonumber(c0)
+        local b = {rest = rest, base = base}
+        sw_tail(b)
+        last, colon, newest, total = b.last, b.colon, b.newest, b.total
+      end
+      if not first_off then first_off = tonumber(string.match(rest, '^(%d+)')) end
+      if newest > cur then return nil end  -- (a record ahead of the key's time: by hand)
+      if newest <= cur - n then
+        rest = nil  -- every record left the window: it starts again, as a charge would
+      elseif base + first_off <= cur - n then
+        return nil  -- records leave the window: charge trims them
+      end
+    end
+    local count = 0
+    if rest then count = total - c0 end
+    if count + weight > pair.amount then return nil end  -- refused: check tells how long
+    if not rest then
+      base, c0, rest, head, total = cur, 0, '0:' .. fmt(weight), nil, weight
+      last, colon, first_off = 1, 2, 0
+    else
+      total = total + weight
+      if total >= REBASE_AT then return nil end  -- (charge rebases first)
+      if newest == cur then
+        rest = string.sub(rest, 1, colon) .. fmt(total)
+      else
+        local offset = fmt(cur - base)
+        last = #rest + 2
+        rest = rest .. ',' .. offset .. ':' .. fmt(total)
+        colon = last + #offset
+      end
+    end
+    if not head then head = fmt(base) .. '|' .. fmt(c0) .. '|' end
+    local value = head .. rest
+    -- Filed as sw_store files a state (the same bounds; every number here is below 2^52).
+    if last == 1 or #rest - last < 64 then
+      if parsed_count >= PARSED_SIZE or parsed_bytes >= PARSED_BYTES then
+        PARSED, parsed_count, parsed_bytes = {}, 0, 0
+      end
+      if not PARSED[value] then
+        parsed_count, parsed_bytes = parsed_count + 1, parsed_bytes + #value
+      end
+      PARSED[value] = {name = spec.sw_name, base = base, c0 = c0, rest = rest, head = head,
+                       head_base = base, head_c0 = c0, first_off = first_off, first_c = nil,
+                       last = last, colon = colon, newest = cur, total = total, stored = value}
+    end
+    local reset = (cur + n) * p - now
+    return value, pair.amount - count - weight, reset, math.ceil(reset / 1000)
+  end
+
   return {
     field = sw_field,
+    fast = sw_fast,
 
     check = function(s, pair, now, weight)
       local b = sw_state(s, pair)
