@@ -96,3 +96,68 @@ async def test_refund_of_a_decision_never_gives_back_more_than_it_charged(
             pass
         remaining = (await limiter.peek("user:1")).remaining
         assert remaining <= 1, f"{remaining} left after refunding a decision that charged 1"
+
+
+# -- change 3: the cross-slot check before the in-flight cap -----------------------------------
+
+
+def _cross_slot_users(hot: str, count: int) -> list[str]:
+    """`count` identifiers whose main keys are each in a slot other than `hot`'s."""
+    from redis.crc import key_slot
+
+    from aiolimit._keys import main_key
+
+    hot_slot = key_slot(main_key("x", hot).encode())
+    users = []
+    i = 0
+    while len(users) < count:
+        name = f"user:{i}"
+        i += 1
+        if key_slot(main_key("x", name).encode()) != hot_slot:
+            users.append(name)
+    return users
+
+
+async def test_a_cross_slot_burst_on_a_hot_identifier_compensates_at_most_the_cap(
+    redis_cluster_url: str, prefix: str
+) -> None:
+    """Bounded cost: 2000 calls at once on ["global", "user:<i>"] (distinct users, other slots)
+    with 50/minute on "global". With the check inside the cap (before e111b30), at most
+    MAX_IN_FLIGHT checks raced: ~78 commits were refused and compensated, the rest refused at
+    their check, reading the state the earlier commits wrote. With every check first they all
+    pass on the empty state; then each of the commits past the first ones is refused on "global" after its other
+    slot charged, and is undone: a commit plus a compensation per call instead of one check.
+    Measured: 78-100 compensations before e111b30 whatever the burst (1000 or 3000 calls);
+    after it 270-334 for 1000 calls, 2126 for 3000: it grows with the burst."""
+    from aiolimit._protocol import MAX_IN_FLIGHT
+
+    clock = ManualClock(START)
+    users = _cross_slot_users("global", 2000)
+    async with Limiter(redis_cluster_url, "50/minute", prefix=prefix, clock=clock) as limiter:
+        decisions = await asyncio.wait_for(
+            asyncio.gather(*(limiter.try_acquire(["global", u]) for u in users)), 60
+        )
+        assert sum(d.allowed for d in decisions) == 50
+        stats = limiter.statistics()
+        assert stats.compensations <= MAX_IN_FLIGHT, (
+            f"{stats.compensations} compensations for a burst of {len(users)} "
+            f"(at most {MAX_IN_FLIGHT} before the change)"
+        )
+
+
+async def test_a_cross_slot_burst_leaves_every_refused_user_untouched(
+    redis_cluster_url: str, prefix: str
+) -> None:
+    """All or nothing across slots under the same burst: every call refused (at its check or
+    compensated after its commit) leaves its user's counter as if it never happened."""
+    clock = ManualClock(START)
+    users = _cross_slot_users("global", 600)
+    async with Limiter(redis_cluster_url, "50/minute", prefix=prefix, clock=clock) as limiter:
+        decisions = await asyncio.wait_for(
+            asyncio.gather(*(limiter.try_acquire(["global", u]) for u in users)), 60
+        )
+        await asyncio.sleep(0.5)  # (background undos, if any, finish)
+        refused = [u for u, d in zip(users, decisions, strict=True) if not d.allowed]
+        assert len(refused) == len(users) - 50
+        peeks = await asyncio.gather(*(limiter.peek(u) for u in refused))
+        assert [p.remaining for p in peeks] == [50] * len(refused)
