@@ -5,6 +5,7 @@ Real redis-server processes (conftest); each test names the one invariant it che
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import socket
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import redis.asyncio as redis_asyncio
 
-from aiolimit import InvalidRequestError, Limiter
+from aiolimit import InvalidRequestError, Limit, Limiter, RuleSet
 from aiolimit.testing import ManualClock
 
 START = 1_700_000_040.0  # on a minute boundary
@@ -161,3 +162,50 @@ async def test_a_cross_slot_burst_leaves_every_refused_user_untouched(
         assert len(refused) == len(users) - 50
         peeks = await asyncio.gather(*(limiter.peek(u) for u in refused))
         assert [p.remaining for p in peeks] == [50] * len(refused)
+
+
+# -- change 4: bad rules input is a RulesError -------------------------------------------------
+
+HUGE = "1" * 5000  # an integer past Python's 4300-digit int() limit: int(HUGE) is a ValueError
+
+
+def test_a_limit_string_with_a_huge_amount_is_a_rules_error() -> None:
+    """RuleSet.from_mapping must answer every bad limit with RulesError. A limit string whose
+    amount has 5000 digits raises ValueError ('Exceeds the limit (4300 digits)') from
+    Limit.parse's int() (_limits.py:152), which parse_limits does not catch."""
+    from aiolimit._ruleset import RulesError
+
+    with pytest.raises(RulesError):
+        RuleSet.from_mapping({"kinds": {"user": HUGE + "/second"}})
+
+
+def test_toml_with_a_huge_integer_is_a_rules_error() -> None:
+    """RuleSet.from_text(toml): tomllib raises ValueError (not TOMLDecodeError) for an integer
+    of 5000 digits; from_text catches only TOMLDecodeError and RecursionError (the JSON branch
+    catches ValueError)."""
+    from aiolimit._ruleset import RulesError
+
+    with pytest.raises(RulesError):
+        RuleSet.from_text(f"version = {HUGE}\nkinds.user = '5/minute'\n", "toml")
+
+
+async def test_a_stored_document_with_a_huge_limit_string_is_rejected_not_raised(
+    redis_url: str, prefix: str
+) -> None:
+    """follow_rules=True with a document in Redis whose limit string has a 5000-digit amount:
+    it must be rejected (counted, rules in force stay), never reach a decision's caller as an
+    untyped ValueError. _follow.py _refresh_locked catches only RulesError/ConfigurationError."""
+    from aiolimit._follow import rules_keys
+
+    raw = json.dumps(
+        {"format": 1, "version": "v-huge", "rules": {"kinds": {"*": HUGE + "/second"}}}
+    )
+    client = redis_asyncio.from_url(redis_url)
+    try:
+        await client.set(rules_keys(prefix).doc, raw)
+    finally:
+        await client.aclose()
+    async with Limiter(redis_url, "3/minute", prefix=prefix, follow_rules=True) as limiter:
+        decision = await limiter.try_acquire("user:1")
+        assert decision.allowed and decision.limit == Limit(3, 60)
+        assert limiter.statistics().rules_rejected == 1
