@@ -209,3 +209,53 @@ async def test_a_stored_document_with_a_huge_limit_string_is_rejected_not_raised
         decision = await limiter.try_acquire("user:1")
         assert decision.allowed and decision.limit == Limit(3, 60)
         assert limiter.statistics().rules_rejected == 1
+
+
+# -- change 1: stale counters dropped with the prune -------------------------------------------
+
+
+def _verdicts(decision: Any) -> list[tuple[bool, int, float, float]]:
+    return [
+        (p.allowed, p.remaining, round(p.retry_after, 6), round(p.reset_after, 6))
+        for p in decision.details
+    ]
+
+
+@pytest.mark.parametrize("store", ["redis", "memory"])
+async def test_a_rolling_deploy_on_one_key_decides_as_two_keys_would(
+    redis_url: str, prefix: str, store: str
+) -> None:
+    """Differential: two limiters with disjoint rules (so no counter is shared) on ONE prefix
+    prune each other's fields as they go stale; the same random workload on two separate
+    prefixes never has a foreign field. Every decision (allowed, remaining, per-pair retry)
+    must be the same (reset_after too): a dropped stale counter reads as an absent one. Rules include a precision
+    that does not divide the period, a fixed window and a token bucket; refunds included; time
+    jumps past the TTL step so the prune runs often. (Held.)"""
+    from aiolimit import FixedWindow, TokenBucket
+
+    url = redis_url if store == "redis" else "memory://"
+    rules_1 = [Limit(5, per=7, precision=3), TokenBucket(3, per=2, burst=4)]
+    rules_2 = [FixedWindow(4, per=5), Limit(6, per=10, precision=4)]
+    rng = random.Random(1234)
+    clock = ManualClock(START)
+    async with (
+        Limiter(url, rules_1, prefix=prefix + ":j", clock=clock) as joint_1,
+        Limiter(url, rules_2, prefix=prefix + ":j", clock=clock) as joint_2,
+        Limiter(url, rules_1, prefix=prefix + ":s1", clock=clock) as alone_1,
+        Limiter(url, rules_2, prefix=prefix + ":s2", clock=clock) as alone_2,
+    ):
+        pairs = [(joint_1, alone_1), (joint_2, alone_2)]
+        for step in range(600):
+            joint, alone = pairs[rng.randrange(2)]
+            action = rng.random()
+            ident = f"user:{rng.randrange(2)}"
+            if action < 0.75:
+                weight = rng.randint(1, 3)
+                got = await joint.try_acquire(ident, weight)
+                want = await alone.try_acquire(ident, weight)
+            else:
+                weight = rng.randint(1, 2)
+                got = await joint.refund(ident, weight)
+                want = await alone.refund(ident, weight)
+            assert (got.allowed, _verdicts(got)) == (want.allowed, _verdicts(want)), f"step {step}"
+            clock.advance(rng.choice([0.0, 0.01, 0.3, 1.1, 2.5, 6.0]))
