@@ -32,7 +32,7 @@ from aiolimit._keys import check_prefix, identifier_kind
 from aiolimit._limits import BaseLimit
 from aiolimit._protocol import HELD_TURNS, Protocol, Turn
 from aiolimit._refusals import DEFAULT_SIZE, RefusalCache
-from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight
+from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, _identifiers, check_weight
 from aiolimit._ruleset import RuleSet
 from aiolimit._stores import default_deadline, open_store
 from aiolimit._stores.base import Store
@@ -725,6 +725,9 @@ class Limiter:
         returned as is, and nothing is sent; a refused one raises ``InvalidRequestError``.
         """
         if decision is not None:
+            if isinstance(decision, Decision) and decision.degraded and decision.allowed:
+                _identifiers(ids)  # (validated all the same)
+                return decision  # a fail-open answer charged nothing (and has no details)
             plans = self._rules.plans_charged(ids, decision)
             if decision.degraded:
                 return decision

@@ -148,8 +148,12 @@ class Limit(BaseLimit):
         unit = _UNITS.get(match["unit"].lower()) if match else None
         if match is None or unit is None:
             raise ConfigurationError(f"cannot parse limit {text!r}; expected {GRAMMAR}")
-        count = float(match["count"]) if match["count"] else 1.0
-        return cls(int(match["amount"]), per=count * unit)
+        try:
+            count = float(match["count"]) if match["count"] else 1.0
+            amount = int(match["amount"])
+        except ValueError as exc:  # past int()'s 4300 digits
+            raise ConfigurationError(f"cannot parse limit {text[:60]!r}...: {exc}") from exc
+        return cls(amount, per=count * unit)
 
     @property
     def storage(self) -> tuple[str, int, int]:

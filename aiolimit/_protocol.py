@@ -348,6 +348,10 @@ class Protocol:
             for key in keys:
                 if in_flight.get(key, 0) >= MAX_IN_FLIGHT or key in queued:
                     slots = await self._enter(keys)
+                    # It queued behind other commits: what its check read is stale by now,
+                    # so the commit checks again first (else each of a burst's calls that
+                    # passed on the state before the burst commits, and is compensated).
+                    checked = False
                     break
             else:
                 if len(set(keys)) == len(keys):
