@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from aiolimit._limits import BaseLimit
 
 if TYPE_CHECKING:
     from aiolimit._lease import Lease
+    from aiolimit._rules import IdentifierPlan
 
 
 class PairDecision(NamedTuple):
@@ -25,6 +27,21 @@ class PairDecision(NamedTuple):
     remaining: int
     retry_after: float
     reset_after: float
+
+
+class Charge:
+    """What an admission charged, kept on its ``Decision`` for ``refund(decision=)``: the
+    limiter's protocol that made it, the plans and the weight charged, and per identifier
+    the weight not given back yet (made on the first refund). Copies of the decision share
+    it, so no copy gives back more than was charged."""
+
+    __slots__ = ("left", "owner", "plans", "weight")
+
+    def __init__(self, owner: object, plans: Sequence[IdentifierPlan], weight: int) -> None:
+        self.owner = owner
+        self.plans = plans
+        self.weight = weight
+        self.left: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +75,8 @@ class Decision:
     lease: Lease | None = None
     denied: bool = False
     shadow_refusals: tuple[PairDecision, ...] = ()
+    #: What an admission charged (see ``Charge``); set by the limiter, not part of the answer.
+    _charge: Charge | None = field(default=None, repr=False, compare=False)
 
     def __bool__(self) -> bool:
         return self.allowed

@@ -17,7 +17,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 from aiolimit._algorithms import Concurrency
 from aiolimit._calls import ACQUIRE, PEEK, Mode
 from aiolimit._clock import Clock
-from aiolimit._decision import Decision
+from aiolimit._decision import Charge, Decision
 from aiolimit._errors import (
     BackendError,
     BackendUnavailable,
@@ -32,7 +32,7 @@ from aiolimit._keys import check_prefix, identifier_kind
 from aiolimit._limits import BaseLimit
 from aiolimit._protocol import HELD_TURNS, Protocol, Turn
 from aiolimit._refusals import DEFAULT_SIZE, RefusalCache
-from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, _identifiers, check_weight
+from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight, identifiers_of
 from aiolimit._ruleset import RuleSet
 from aiolimit._stores import default_deadline, open_store
 from aiolimit._stores.base import Store
@@ -713,33 +713,43 @@ class Limiter:
         return await self._decide(PEEK, plans, weight)
 
     async def refund(
-        self, ids: Identifiers, weight: int = 1, *, decision: Decision | None = None
+        self, ids: Identifiers, weight: int | None = None, *, decision: Decision | None = None
     ) -> Decision:
-        """Gives ``weight`` back on every pair (newest charges first, never below zero), under
-        the rules in force (following the rules in Redis: the identifier's override too).
+        """Gives ``weight`` (default 1) back on every pair (newest charges first, never below
+        zero), under the rules in force (following the rules in Redis: the identifier's
+        override too).
 
-        With ``decision`` (an admission this limiter made), only the pairs it charged are
+        With ``decision`` (an admission this limiter returned), only what it charged is
         credited, whatever the rules are now: a limit added since is left alone, a limit
-        removed since still gets its charge back. ``ids`` then names which of its identifiers
-        to credit (each must be one it charged). A degraded decision charged nothing: it is
-        returned as is, and nothing is sent; a refused one raises ``InvalidRequestError``.
+        removed since still gets its charge back. ``ids`` names which of its identifiers to
+        credit; ``weight`` defaults to the weight it was charged, and no refund through it
+        gives back more than that on any identifier (copies of it included): past that, or
+        for a decision another limiter made, ``InvalidRequestError``. A decision that charged
+        nothing (degraded, or only exempt identifiers) is returned as is, and nothing is
+        sent; a refused one raises ``InvalidRequestError``.
         """
+        charge = None
         if decision is not None:
-            if isinstance(decision, Decision) and decision.degraded and decision.allowed:
-                _identifiers(ids)  # (validated all the same)
-                return decision  # a fail-open answer charged nothing (and has no details)
-            plans = self._rules.plans_charged(ids, decision)
-            if decision.degraded:
+            names = identifiers_of(ids)
+            charge = self._charge_of(decision, names)
+            if charge is None:
                 return decision
+            weight = check_weight(charge.weight if weight is None else weight, [])
+            plans = self._given_back(charge, names, weight)
         else:
             if self._follower is not None:
                 unread = await self._follow(ids, strict=True)
                 if unread is not None:
                     raise unread
             plans = self._rules.plans(ids)
-        weight = check_weight(weight, [])
+            weight = check_weight(1 if weight is None else weight, [])
         self._check_usable()
         self._failure.check_open()
+        if charge is not None:
+            left = charge.left
+            assert left is not None
+            for plan in plans:  # (from here the refund is sent, and finishes in any case)
+                left[plan.identifier] -= weight
         refusals = self._refusals
         if refusals is not None:
             refusals.forget(plan.identifier for plan in plans)
@@ -749,6 +759,56 @@ class Limiter:
         finally:
             if refusals is not None:
                 refusals.forget(plan.identifier for plan in plans)
+
+    def _charge_of(self, decision: object, names: Sequence[str]) -> Charge | None:
+        """The charge ``decision`` records, checked for a refund through this limiter; None
+        when it charged nothing."""
+        if not isinstance(decision, Decision):
+            raise InvalidRequestError(
+                f"decision must be a Decision the limiter returned, got {type(decision).__name__}"
+            )
+        if not decision.allowed:
+            raise InvalidRequestError(
+                "a refused decision charged nothing: there is nothing of it to give back"
+            )
+        charge = decision._charge
+        if charge is None:
+            if decision.degraded or not decision.details:
+                return None  # a fail-open answer, or exempt identifiers only: nothing charged
+            raise InvalidRequestError(
+                "this decision records no charge: pass one that try_acquire, acquire or limit "
+                "returned"
+            )
+        if charge.owner is not self._protocol:
+            raise InvalidRequestError(
+                "this decision was made by another limiter: refund it through that one"
+            )
+        return charge
+
+    def _given_back(
+        self, charge: Charge, names: Sequence[str], weight: int
+    ) -> list[IdentifierPlan]:
+        """The plans of ``names`` in ``charge``, checked to have ``weight`` left to give
+        back."""
+        left = charge.left
+        if left is None:
+            left = charge.left = {plan.identifier: charge.weight for plan in charge.plans}
+        by_name = {plan.identifier: plan for plan in charge.plans}
+        plans = []
+        for name in names:
+            plan = by_name.get(name)
+            if plan is None:
+                raise InvalidRequestError(
+                    f"identifier {name!r} was not charged by this decision; it charged "
+                    f"{sorted(by_name)}"
+                )
+            if weight > left[name]:
+                raise InvalidRequestError(
+                    f"a refund of {weight} on {name!r} through this decision gives back more "
+                    f"than it charged there: {left[name]} of its {charge.weight} are left"
+                )
+            plans.append(plan)
+        return plans
 
     def storage_keys(self, identifier: str) -> tuple[str, ...]:
         """The Redis keys that hold ``identifier``'s state under the rules in force."""

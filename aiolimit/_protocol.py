@@ -97,7 +97,7 @@ from aiolimit._calls import (
 )
 from aiolimit._clock import Clock, ServerClock
 from aiolimit._deadline import DECISION_DEADLINE
-from aiolimit._decision import Decision
+from aiolimit._decision import Charge, Decision
 from aiolimit._errors import BackendUnavailable, ConfigurationError
 from aiolimit._lease import Lease
 from aiolimit._ops import Op, OpLedger
@@ -398,10 +398,11 @@ class Protocol:
             held.append(Turn(plans, weight, op, keys))
         else:
             self.ops.settle(keys, op)
-        if result.allowed and (
-            plans[0].has_leases if len(plans) == 1 else any(plan.has_leases for plan in plans)
-        ):
-            result = replace(result, lease=Lease(self, plans, weight, op))
+        if result.allowed:
+            if plans[0].has_leases if len(plans) == 1 else any(p.has_leases for p in plans):
+                result = replace(result, lease=Lease(self, plans, weight, op))
+            # (set on the decision just made: refund(decision=) gives back what it records)
+            object.__setattr__(result, "_charge", Charge(self, plans, weight))
         return result
 
     async def _enter(self, keys: Sequence[str]) -> list[str]:

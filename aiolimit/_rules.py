@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Protocol, TypeAlias
 
-from aiolimit._decision import Decision
 from aiolimit._errors import ConfigurationError, InvalidRequestError, WeightNeverFits
 from aiolimit._keys import aux_key, identifier_kind, main_key
 from aiolimit._limits import BaseLimit, parse_limits
@@ -220,38 +219,13 @@ class Rules:
             if type(identifier) is str and identifier:
                 return [self.plan_for(identifier)]
         plan = self.plan_for
-        return [plan(identifier) for identifier in _identifiers(ids)]
-
-    def plans_charged(self, ids: object, decision: object) -> list[IdentifierPlan]:
-        """The plans of the pairs ``decision`` charged on ``ids`` (validated as ``plans``
-        validates them), built from the decision's own limits, not from these rules."""
-        if not isinstance(decision, Decision):
-            raise InvalidRequestError(
-                f"decision must be a Decision the limiter returned, got {type(decision).__name__}"
-            )
-        if not decision.allowed:
-            raise InvalidRequestError(
-                "a refused decision charged nothing: there is nothing of it to give back"
-            )
-        charged: dict[str, list[BaseLimit]] = {}
-        for pair in decision.details:
-            charged.setdefault(pair.identifier, []).append(pair.limit)
-        plans = []
-        for identifier in _identifiers(ids):
-            limits = charged.get(identifier)
-            if limits is None:
-                raise InvalidRequestError(
-                    f"identifier {identifier!r} was not charged by this decision; it charged "
-                    f"{sorted(charged)}"
-                )
-            plans.append(self._plan_of(identifier, tuple(limits)))
-        return plans
+        return [plan(identifier) for identifier in identifiers_of(ids)]
 
     def all_keys(self, identifier: str) -> tuple[str, ...]:
         return self.plan_for(identifier).keys
 
 
-def _identifiers(ids: object) -> list[str]:
+def identifiers_of(ids: object) -> list[str]:
     """A call's identifiers, validated; duplicates count once, order is kept."""
     if isinstance(ids, str):
         ids = (ids,)

@@ -165,7 +165,10 @@ class RuleSet:
         elif format == "toml":
             try:
                 data = tomllib.loads(text)
-            except (ValueError, RecursionError) as exc:  # (TOMLDecodeError; an int past 4300 digits)
+            except (
+                ValueError,
+                RecursionError,
+            ) as exc:  # (TOMLDecodeError; an int past 4300 digits)
                 raise RulesError("", f"not valid TOML: {exc}") from exc
         else:
             raise RulesError("", f"format must be 'toml' or 'json', got {format!r}")

@@ -236,9 +236,10 @@ async def test_refund_of_a_decision_refuses_what_it_did_not_charge(
     redis_url: str, prefix: str
 ) -> None:
     """Bad input is a typed error and changes nothing stored: an identifier the decision did
-    not charge, a refused decision, something that is not a decision. A degraded decision
-    charged nothing: it is given back as is, nothing is sent."""
-    from aiolimit import InvalidRequestError
+    not charge, a refused decision, something that is not a decision, one that records no
+    charge, a weight above what it charged, a second refund of what it charged (through a
+    copy of it too). One of its identifiers alone may be given back."""
+    from aiolimit import Decision, InvalidRequestError
 
     clock = ManualClock(START)
     async with Limiter(redis_url, "2/minute", prefix=prefix, clock=clock) as limiter:
@@ -252,11 +253,17 @@ async def test_refund_of_a_decision_refuses_what_it_did_not_charge(
             await limiter.refund("user:1", decision=refused)
         with pytest.raises(InvalidRequestError, match="must be a Decision"):
             await limiter.refund("user:1", decision="user:1")  # type: ignore[arg-type]
-        degraded = dataclasses.replace(both, degraded=True)
-        assert await limiter.refund("user:1", decision=degraded) is degraded
+        with pytest.raises(InvalidRequestError, match="records no charge"):
+            await limiter.refund("user:1", decision=Decision.from_pairs(both.details))
+        with pytest.raises(InvalidRequestError, match="more than it charged there: 1 of its 1"):
+            await limiter.refund("user:1", 2, decision=both)
+        copy = dataclasses.replace(both, remaining=99)  # (a copy shares what is left)
         assert [p.remaining for p in (await limiter.peek(["user:1", "user:2"])).details] == [0, 1]
-        partial = await limiter.refund("user:2", decision=both)  # one of its identifiers
+        partial = await limiter.refund("user:2", decision=copy)  # one of its identifiers
         assert [p.identifier for p in partial.details] == ["user:2"]
+        assert [p.remaining for p in (await limiter.peek(["user:1", "user:2"])).details] == [0, 2]
+        with pytest.raises(InvalidRequestError, match="0 of its 1 are left"):
+            await limiter.refund("user:2", decision=both)
         assert [p.remaining for p in (await limiter.peek(["user:1", "user:2"])).details] == [0, 2]
 
 

@@ -1,6 +1,6 @@
-"""Adversarial review (h3) of four changes: stale counters dropped with the prune,
-refund(decision=), the cross-slot check before the in-flight cap, bad rules as RulesError.
-Real redis-server processes (conftest); each test names the one invariant it checks."""
+"""Refunds through a decision, cross-slot bursts on a hot identifier, huge integers in rules,
+and stale counters on a key two rules versions share (from an adversarial review). Real
+redis-server processes (conftest); each test names the one invariant it checks."""
 
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ async def test_refund_with_another_limiters_decision_credits_nothing_here(
     decision=a_decision) must not credit B's counters (or must be an InvalidRequestError).
     Observed: it credits B's 2/minute pair, and B admits a 3rd request within a minute."""
     clock = ManualClock(START)
-    async with Limiter(redis_url, "2/minute", prefix=prefix + ":a", clock=clock) as a, Limiter(
-        redis_url, "2/minute", prefix=prefix + ":b", clock=clock
-    ) as b:
+    async with (
+        Limiter(redis_url, "2/minute", prefix=prefix + ":a", clock=clock) as a,
+        Limiter(redis_url, "2/minute", prefix=prefix + ":b", clock=clock) as b,
+    ):
         from_a = await a.try_acquire("user:1")
         assert from_a.allowed
         assert [(await b.try_acquire("user:1")).allowed for _ in range(2)] == [True, True]
@@ -123,13 +124,14 @@ async def test_a_cross_slot_burst_on_a_hot_identifier_compensates_at_most_the_ca
     redis_cluster_url: str, prefix: str
 ) -> None:
     """Bounded cost: 2000 calls at once on ["global", "user:<i>"] (distinct users, other slots)
-    with 50/minute on "global". With the check inside the cap (before e111b30), at most
-    MAX_IN_FLIGHT checks raced: ~78 commits were refused and compensated, the rest refused at
-    their check, reading the state the earlier commits wrote. With every check first they all
-    pass on the empty state; then each of the commits past the first ones is refused on "global" after its other
-    slot charged, and is undone: a commit plus a compensation per call instead of one check.
-    Measured: 78-100 compensations before e111b30 whatever the burst (1000 or 3000 calls);
-    after it 270-334 for 1000 calls, 2126 for 3000: it grows with the burst."""
+    with 50/minute on "global". With the check inside the cap, at most MAX_IN_FLIGHT checks
+    raced: ~78 commits were refused and compensated, the rest refused at their check, reading
+    the state the earlier commits wrote. With every check first (and no second check) they all
+    passed on the empty state; then each commit past the first ones was refused on "global"
+    after its other slot charged, and undone: a commit plus a compensation per call instead of
+    one check. Measured: 78-100 compensations whatever the burst (1000 or 3000 calls) with the
+    check inside the cap; 270-334 for 1000 calls, 2126 for 3000 without the second check. A
+    call that queued for its places now checks again before it commits."""
     from aiolimit._protocol import MAX_IN_FLIGHT
 
     clock = ManualClock(START)
@@ -228,9 +230,9 @@ async def test_a_rolling_deploy_on_one_key_decides_as_two_keys_would(
     """Differential: two limiters with disjoint rules (so no counter is shared) on ONE prefix
     prune each other's fields as they go stale; the same random workload on two separate
     prefixes never has a foreign field. Every decision (allowed, remaining, per-pair retry)
-    must be the same (reset_after too): a dropped stale counter reads as an absent one. Rules include a precision
-    that does not divide the period, a fixed window and a token bucket; refunds included; time
-    jumps past the TTL step so the prune runs often. (Held.)"""
+    must be the same (reset_after too): a dropped stale counter reads as an absent one. Rules
+    include a precision that does not divide the period, a fixed window and a token bucket;
+    refunds included; time jumps past the TTL step so the prune runs often. (Held.)"""
     from aiolimit import FixedWindow, TokenBucket
 
     url = redis_url if store == "redis" else "memory://"
