@@ -24,7 +24,7 @@ import uuid
 
 from redis.cluster import key_slot
 
-from aiolimit import BackendError, Limit, Limiter
+from aiolimit import BackendError, Decision, Limit, Limiter
 
 # A sliding hour in one-minute buckets: every admitted decision is still counted at the end,
 # whenever the demo runs (a fixed hourly window would forget them all on the hour).
@@ -35,6 +35,20 @@ def owner_port(nodes: object, identifier: str) -> int:
     # Keys are <prefix>:{<identifier>} (README, "Keys"): the identifier is the hash tag.
     slot = key_slot(identifier.encode())
     return int(nodes.node_for_slot(slot).port)  # type: ignore[attr-defined]
+
+
+async def settled_peek(limiter: Limiter, identifier: str) -> Decision:
+    """A peek once the store answers again: calls that need a dead primary fail fast while its
+    node's circuit breaker is open (it probes again after a second), and the failover may end
+    just as the demo does."""
+    stop = time.monotonic() + 10
+    while True:
+        try:
+            return await limiter.peek(identifier)
+        except BackendError:
+            if time.monotonic() > stop:
+                raise
+            await asyncio.sleep(0.1)
 
 
 async def run_cluster_demo(seconds: float = 4.0) -> dict[str, int]:
@@ -85,8 +99,8 @@ async def run_cluster_demo(seconds: float = 4.0) -> dict[str, int]:
                     counts["bystander_failed"] += 1
                 await asyncio.sleep(0.005)
             stats = limiter.statistics()
-            stored = LIMIT.amount - (await limiter.peek(first)).remaining
-            stored_second = LIMIT.amount - (await limiter.peek(second)).remaining
+            stored = LIMIT.amount - (await settled_peek(limiter, first)).remaining
+            stored_second = LIMIT.amount - (await settled_peek(limiter, second)).remaining
         if stall_start is not None and stall_end is not None:
             print(f"decisions needing :{victim_port} failed for {stall_end - stall_start:.1f} s "
                   "until its replica was promoted")  # fmt: skip

@@ -682,7 +682,8 @@ local function decide(KEYS, ARGV, batch)
   end
 
   if mode == 'acquire' and op_client and flags == '' and weight > 0 and nblocks == 1
-     and npairs > 0 and PAIRS[1].spec.fast_block and not (batch and loaded[KEYS[1]]) then
+     and npairs > 0 and npairs <= 64 and PAIRS[1].spec.fast_block
+     and not (batch and loaded[KEYS[1]]) then
     local reply = fast_acquire(KEYS[1], weight)
     if reply then return reply end
   end
