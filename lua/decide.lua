@@ -474,29 +474,26 @@ end
 -- batch to the next, and the server's TIME is read once per batch. KEYS and ARGV are the
 -- call's own (decide_many gives each call a copy of its part: a malformed call can then read
 -- nothing of its neighbours').
--- The fast path: the commonest call, an acquire with an op id, no flags, on one identifier
--- whose limits are all sliding (or fixed) windows, takes one HMGET, one HSET and no tables
--- but the reply and the memos (about half the server time of the general way, which builds
--- the key's state, its ledger's and its pairs' as tables). It runs only in the common case:
--- the key and this client's ledger exist, the op is new here, every pair allows and drops
--- no record from its window (see the algorithm's `fast`), the TTL needs no extending and the
--- ledger no trimming past OP_KEEP_BYTES. Anything else returns nil before the first write,
--- and decide() goes on the general way (which reads the key again): the writes and the
--- reply are those the general way makes (tests/test_fast_path.py runs both on the same
--- calls and compares them).
-local FAST_NAMES = {}  -- the HMGET's field names, reused
-local FAST_SET = {}  -- the HSET's arguments, reused
+local FAST_BLOCKS = 8  -- identifiers a call may name and take the fast path
+local FAST_ENDS = {}  -- per block of the call: its last pair's index in PAIRS
+local FAST_NAMES = {}  -- an HMGET's field names, reused
+local FAST_SETS = {}  -- per key: its HSET's arguments, reused
 local FAST_REPLY = {}  -- per pair: remaining, reset
-local function fast_acquire(key, weight)
-  local names, k = FAST_NAMES, npairs
+local FAST_LEDGERS = {}  -- per key: its ledger's new horizon, entries and single stamp
+
+-- One key's part (block b: pairs first .. last): reads it, and stages its HSET in
+-- FAST_SETS[b] and its ledger in FAST_LEDGERS; false when the general way must decide.
+local function fast_key(b, key, first, last, weight)
+  local names = FAST_NAMES
   names[1], names[2], names[3] = 't', 'x', op_field
+  local k = last - first + 1
   for i = 1, k do
-    local pair = PAIRS[i]
+    local pair = PAIRS[first + i - 1]
     names[3 + i] = pair.algo.field(pair)
   end
   local v = redis.call('HMGET', key, unpack(names, 1, 3 + k))
   local raw_t, raw_ledger = v[1], v[3]
-  if not raw_t or not raw_ledger then return nil end  -- a new key, or a first ledger: pruned
+  if not raw_t or not raw_ledger then return false end  -- a new key, or a first ledger: pruned
   local t = tonumber(raw_t) or 0
   if t < now then t = now end
   -- This client's ledger (see ledger() and op_state()): the op must be new here.
@@ -508,29 +505,34 @@ local function fast_acquire(key, weight)
     local h, e = string.match(raw_ledger, '^%d+;(%d+);(.*)$')
     horizon, entries = tonumber(h) or 0, e or ''
   end
-  if op_stamp <= horizon then return nil end
+  if op_stamp <= horizon then return false end
   if not (single and single ~= op_stamp) then
     local from = 1
     while true do
-      local first, last = string.find(entries, op_entry, from, true)
-      if not first then break end
-      if first == 1 or string.byte(entries, first - 1) == 44 then return nil end  -- ','
-      from = last + 1
+      local found, upto = string.find(entries, op_entry, from, true)
+      if not found then break end
+      if found == 1 or string.byte(entries, found - 1) == 44 then return false end  -- ','
+      from = upto + 1
     end
   end
   -- Every pair: its new text, or nil (the general way then).
-  local set, reply = FAST_SET, FAST_REPLY
+  local set = FAST_SETS[b]
+  if not set then
+    set = {n = 0}
+    FAST_SETS[b] = set
+  end
+  local reply = FAST_REPLY
   local ttl_ms = 0
   for i = 1, k do
-    local pair = PAIRS[i]
-    local raw = v[3 + i]
-    local value, remaining, reset, ttl = pair.algo.fast(raw or nil, pair, t, weight)
-    if not value then return nil end
+    local at = first + i - 1
+    local pair = PAIRS[at]
+    local value, remaining, reset, ttl = pair.algo.fast(v[3 + i] or nil, pair, t, weight)
+    if not value then return false end
     set[2 * i + 3], set[2 * i + 4] = names[3 + i], value
-    reply[2 * i - 1], reply[2 * i] = remaining, reset
+    reply[2 * at - 1], reply[2 * at] = remaining, reset
     if ttl > ttl_ms then ttl_ms = ttl end
   end
-  if t + (ttl_ms + slack) * 1000 > (tonumber(v[2]) or 0) then return nil end  -- (TTL, prune)
+  if t + (ttl_ms + slack) * 1000 > (tonumber(v[2]) or 0) then return false end  -- (TTL, prune)
   -- The op's entry (see op_record, for a new op).
   local floor = op_floor - 1
   if floor > horizon then horizon = floor end
@@ -549,32 +551,69 @@ local function fast_acquire(key, weight)
   if not known then
     local cut = 1
     while true do
-      local _, last, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
-      if not last or tonumber(stamp) > horizon then break end
-      cut = last + 1
+      local _, upto, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
+      if not upto or tonumber(stamp) > horizon then break end
+      cut = upto + 1
     end
     if cut > 1 then entries = string.sub(entries, cut) end
   end
-  if #entries > OP_KEEP_BYTES then return nil end
-  local ledger_text = fmt_time(now) .. ';' .. fmt(horizon) .. ';' .. entries
-  -- Written: one HSET.
-  CALL.writing = true
-  set[1], set[2], set[3], set[4] = 't', fmt_time(t), op_field, ledger_text
-  redis.call('HSET', key, unpack(set, 1, 4 + 2 * k))
-  if now >= 0 and now < 2 ^ 63 and horizon < 2 ^ 63 then
-    if ledgers_filed >= LEDGERS_SIZE or ledgers_bytes >= LEDGERS_BYTES then
-      LEDGERS, ledgers_filed, ledgers_bytes = {}, 0, 0
+  if #entries > OP_KEEP_BYTES then return false end
+  set[1], set[2], set[3] = 't', fmt_time(t), op_field
+  set[4] = fmt_time(now) .. ';' .. fmt(horizon) .. ';' .. entries
+  set.n = 4 + 2 * k
+  local one = false
+  if entries == entry and op_stamp < 2 ^ 63 then one = op_stamp end
+  local staged = FAST_LEDGERS
+  staged[3 * b - 2], staged[3 * b - 1], staged[3 * b] = horizon, entries, one
+  return true
+end
+
+-- The fast path: the commonest call, an acquire with an op id and no flags, on identifiers
+-- (at most FAST_BLOCKS, one key each) whose limits are all sliding (or fixed) windows,
+-- takes one HMGET and one HSET per key, and no tables but the reply and the memos (the
+-- general way builds each key's state, its ledger's and its pairs' as tables). It runs only
+-- in the common case: every key and this client's ledger in it exist, the op is new in each,
+-- every pair allows and drops no record from its window (see the algorithm's `fast`), no
+-- TTL needs extending and no ledger trimming past OP_KEEP_BYTES. Anything else returns nil
+-- before the first write, and decide() goes on the general way (which reads the keys
+-- again): the writes and the reply are those the general way makes (tests/test_fast_path.py
+-- runs both on the same calls and compares them). In a batch, a key an earlier call of the
+-- batch loaded is left to the general way, which goes on from that state.
+local function fast_acquire(KEYS, nblocks, weight, batch)
+  for b = 1, nblocks do
+    local key = KEYS[b]
+    if batch and loaded[key] then return nil end
+    for c = 1, b - 1 do
+      if KEYS[c] == key then return nil end
     end
-    if not LEDGERS[ledger_text] then
-      ledgers_filed, ledgers_bytes = ledgers_filed + 1, ledgers_bytes + #ledger_text
-    end
-    local one = nil
-    if entries == entry and op_stamp < 2 ^ 63 then one = op_stamp end
-    LEDGERS[ledger_text] = {horizon = horizon, entries = entries, single = one,
-                            stored = ledger_text}
   end
+  local first = 1
+  for b = 1, nblocks do
+    if not fast_key(b, KEYS[b], first, FAST_ENDS[b], weight) then return nil end
+    first = FAST_ENDS[b] + 1
+  end
+  -- Written: one HSET per key.
+  CALL.writing = true
+  local staged = FAST_LEDGERS
+  for b = 1, nblocks do
+    local set = FAST_SETS[b]
+    redis.call('HSET', KEYS[b], unpack(set, 1, set.n))
+    local ledger_text = set[4]
+    local horizon = staged[3 * b - 2]
+    if now >= 0 and now < 2 ^ 63 and horizon < 2 ^ 63 then
+      if ledgers_filed >= LEDGERS_SIZE or ledgers_bytes >= LEDGERS_BYTES then
+        LEDGERS, ledgers_filed, ledgers_bytes = {}, 0, 0
+      end
+      if not LEDGERS[ledger_text] then
+        ledgers_filed, ledgers_bytes = ledgers_filed + 1, ledgers_bytes + #ledger_text
+      end
+      LEDGERS[ledger_text] = {horizon = horizon, entries = staged[3 * b - 1],
+                              single = staged[3 * b] or nil, stored = ledger_text}
+    end
+  end
+  local reply = FAST_REPLY
   local out = {1, 0, now}
-  for i = 1, k do
+  for i = 1, npairs do
     local at = 4 * i
     out[at], out[at + 1], out[at + 2], out[at + 3] = 1, reply[2 * i - 1], 0, reply[2 * i]
   end
@@ -619,6 +658,7 @@ local function decide(KEYS, ARGV, batch)
     return redis.error_reply('ERR aiolimit: bad block count ' .. tostring(ARGV[7]))
   end
   local nk = #KEYS
+  local fast = nblocks > 0 and nblocks <= FAST_BLOCKS
   for b = 1, nblocks do
     local block, err = parse_block(ARGV[7 + b])
     if not block then return redis.error_reply(err) end
@@ -626,6 +666,7 @@ local function decide(KEYS, ARGV, batch)
       return redis.error_reply('ERR aiolimit: the blocks name more keys than the call has')
     end
     local specs = block.specs
+    if fast and not (specs[1] and specs[1].fast_block) then fast = false end
     for j = 1, #specs do
       local spec = specs[j]
       npairs = npairs + 1
@@ -643,6 +684,7 @@ local function decide(KEYS, ARGV, batch)
       pair.s = nil
     end
     key_base = key_base + block.nkeys
+    FAST_ENDS[b] = npairs
   end
   for i = npairs + 1, previous do PAIRS[i].s = nil end  -- let go of an earlier call's keys
 
@@ -681,10 +723,9 @@ local function decide(KEYS, ARGV, batch)
     op = id
   end
 
-  if mode == 'acquire' and op_client and flags == '' and weight > 0 and nblocks == 1
-     and npairs > 0 and npairs <= 64 and PAIRS[1].spec.fast_block
-     and not (batch and loaded[KEYS[1]]) then
-    local reply = fast_acquire(KEYS[1], weight)
+  if fast and mode == 'acquire' and op_client and flags == '' and weight > 0
+     and npairs <= 64 then
+    local reply = fast_acquire(KEYS, nblocks, weight, batch)
     if reply then return reply end
   end
 

@@ -1,7 +1,7 @@
 """The script's fast path (``fast_acquire`` in lua/decide.lua) against its general way.
 
-An acquire with an op id and no flags, on one identifier whose limits are all sliding or
-fixed windows, takes the fast path when nothing unusual is met; every other call, and any
+An acquire with an op id and no flags, on identifiers whose limits are all sliding or fixed
+windows (one key each), takes the fast path when nothing unusual is met; every other call, and any
 call sent with a flag the script ignores ("g"), takes the general way. The same random
 programs run twice on a real server, once as the limiter sends them and once with "g" on
 every call, on two prefixes: every reply and every stored field must be the same, call by
@@ -51,8 +51,8 @@ def _program(prefix: str, shape: str, seed: int, count: int) -> list[Call]:
             now += rng.randrange(1_000_000, 3_000_000)  # past the TTL step
         else:
             now += rng.choice((0, 0, 1, 900, 20_000, 90_000))
-        identifier = rng.choice(("ip:a", "ip:a", "ip:a", "ip:b"))
-        plans = limiter._rules.plans(identifier)
+        ids = rng.choice((["ip:a"], ["ip:a"], ["ip:b"], ["ip:a", "ip:b"], ["ip:b", "user:c"]))
+        plans = limiter._rules.plans(ids)
         weight = rng.choice((1, 1, 1, 2, 3, 5))
         client = rng.choice(("c1", "c1", "c1", "c2"))
         kind = rng.random()
