@@ -478,7 +478,8 @@ local FAST_BLOCKS = 8  -- identifiers a call may name and take the fast path
 local FAST_ENDS = {}  -- per block of the call: its last pair's index in PAIRS
 local FAST_NAMES = {}  -- an HMGET's field names, reused
 local FAST_SETS = {}  -- per key: its HSET's arguments, reused
-local FAST_REPLY = {}  -- per pair: remaining, reset
+local FAST_REPLY = {}  -- per pair: allowed, remaining, retry, reset, then with weight 0
+local FAST_REFUSED = false  -- some pair of the call refuses
 local FAST_LEDGERS = {}  -- per key: its ledger's new horizon, entries and single stamp
 
 -- One key's part (block b: pairs first .. last): reads it, and stages its HSET in
@@ -523,15 +524,25 @@ local function fast_key(b, key, first, last, weight)
   end
   local reply = FAST_REPLY
   local ttl_ms = 0
+  local refused = false
   for i = 1, k do
     local at = first + i - 1
     local pair = PAIRS[at]
-    local value, remaining, reset, ttl = pair.algo.fast(v[3 + i] or nil, pair, t, weight)
-    if not value then return false end
-    set[2 * i + 3], set[2 * i + 4] = names[3 + i], value
-    reply[2 * at - 1], reply[2 * at] = remaining, reset
-    if ttl > ttl_ms then ttl_ms = ttl end
+    local ok, value, remaining, retry, reset, ttl, remaining0, reset0 =
+      pair.algo.fast(v[3 + i] or nil, pair, t, weight)
+    if ok == nil then return false end
+    local r = 6 * at
+    reply[r - 5], reply[r - 4], reply[r - 3], reply[r - 2] = ok, remaining, retry, reset
+    if ok then
+      reply[r - 1], reply[r] = remaining0, reset0
+      set[2 * i + 3], set[2 * i + 4] = names[3 + i], value
+      if ttl > ttl_ms then ttl_ms = ttl end
+    else
+      refused = true
+    end
   end
+  FAST_REFUSED = FAST_REFUSED or refused
+  if refused then return true end  -- (nothing is written: the rest does not matter)
   if t + (ttl_ms + slack) * 1000 > (tonumber(v[2]) or 0) then return false end  -- (TTL, prune)
   -- The op's entry (see op_record, for a new op).
   local floor = op_floor - 1
@@ -588,9 +599,25 @@ local function fast_acquire(KEYS, nblocks, weight, batch)
     end
   end
   local first = 1
+  FAST_REFUSED = false
   for b = 1, nblocks do
     if not fast_key(b, KEYS[b], first, FAST_ENDS[b], weight) then return nil end
     first = FAST_ENDS[b] + 1
+  end
+  local reply = FAST_REPLY
+  if FAST_REFUSED then
+    -- Refused: nothing is written; a pair that allows reports its state as it is.
+    local out = {0, 0, now}
+    for i = 1, npairs do
+      local at, r = 4 * i, 6 * i
+      if reply[r - 5] then
+        out[at], out[at + 1], out[at + 2], out[at + 3] = 1, reply[r - 1], 0, reply[r]
+      else
+        out[at], out[at + 1], out[at + 2], out[at + 3] = 0, reply[r - 4], reply[r - 3],
+                                                         reply[r - 2]
+      end
+    end
+    return out
   end
   -- Written: one HSET per key.
   CALL.writing = true
@@ -611,11 +638,10 @@ local function fast_acquire(KEYS, nblocks, weight, batch)
                               single = staged[3 * b] or nil, stored = ledger_text}
     end
   end
-  local reply = FAST_REPLY
   local out = {1, 0, now}
   for i = 1, npairs do
-    local at = 4 * i
-    out[at], out[at + 1], out[at + 2], out[at + 3] = 1, reply[2 * i - 1], 0, reply[2 * i]
+    local at, r = 4 * i, 6 * i
+    out[at], out[at + 1], out[at + 2], out[at + 3] = 1, reply[r - 4], 0, reply[r - 2]
   end
   return out
 end

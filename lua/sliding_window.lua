@@ -282,10 +282,12 @@ FACTORIES.sw = function()
   end
 
   -- decide.lua's fast path (see fast_acquire there): an acquire of `weight` on this pair,
-  -- from the field's stored text `raw` (nil: none) at `now`, in the common case only: the
-  -- window allows it and no record leaves it. Then the text to store, the pair's remaining,
-  -- its reset_after and the TTL it wants (ms), exactly as check, charge and sw_store would
-  -- make them; else nil (decide() takes the general way, which has written nothing yet).
+  -- from the field's stored text `raw` (nil: none) at `now`, when no record leaves the
+  -- window. Allowed: true, the text to store, the pair's remaining, retry_after (0) and
+  -- reset_after, the TTL it wants (ms), and its remaining and reset_after as they are now
+  -- (what a refused call reports for it); refused: false, nil, remaining, retry_after,
+  -- reset_after. All exactly as check, charge and sw_store make them. Else nil: decide() then
+  -- takes the general way (nothing is written yet).
   local function sw_fast(raw, pair, now, weight)
     local spec = pair.spec
     local p, n = pair.param, spec.sw_n
@@ -314,7 +316,20 @@ FACTORIES.sw = function()
     end
     local count = 0
     if rest then count = total - c0 end
-    if count + weight > pair.amount then return nil end  -- refused: check tells how long
+    local amount = pair.amount
+    if count + weight > amount then
+      -- Refused (as check refuses): wait until the bucket holding unit number
+      -- count + weight - amount leaves.
+      if not rest then return nil end  -- (a weight above the amount: never sent so)
+      local at = last_at_most(rest, 2, total + weight - amount - 1)
+      local offset = rec(rest, at and next_rec(rest, at) or 1)
+      local remaining = amount - count
+      if remaining < 0 then remaining = 0 end
+      return false, nil, remaining, (base + offset + n) * p - now, (newest + n) * p - now
+    end
+    -- What check reports with weight 0, should another pair refuse the call.
+    local reset0 = 0
+    if count > 0 then reset0 = (newest + n) * p - now end
     if not rest then
       base, c0, rest, head, total = cur, 0, '0:' .. fmt(weight), nil, weight
       last, colon, first_off = 1, 2, 0
@@ -345,7 +360,8 @@ FACTORIES.sw = function()
                        last = last, colon = colon, newest = cur, total = total, stored = value}
     end
     local reset = (cur + n) * p - now
-    return value, pair.amount - count - weight, reset, math.ceil(reset / 1000)
+    return true, value, amount - count - weight, 0, reset, math.ceil(reset / 1000),
+           amount - count, reset0
   end
 
   return {

@@ -33,6 +33,7 @@ SHAPES = {  # (the programs' calls come at ~50 a second, weights 2 on average)
         Limit(400, per=10),
         FixedWindow(250, per=5),
     ],
+    "tight": [Limit(5, per=1, precision=0.25), FixedWindow(12, per=4)],  # refusals mostly
 }
 
 
@@ -201,3 +202,21 @@ async def test_the_fast_path_is_taken_in_the_common_case(server: Redis, prefix: 
     assert stats["cmdstat_hmget"]["calls"] == 199
     assert stats["cmdstat_hset"]["calls"] == 199
     assert not {"cmdstat_hgetall", "cmdstat_pexpire", "cmdstat_exists"} & set(stats)
+
+
+async def test_a_refusal_takes_the_fast_path_too(server: Redis, prefix: str) -> None:
+    """Refused calls on a full window read their key once each and write nothing."""
+    limiter = Limiter("memory://", [Limit(3, per=10, precision=1)], prefix=prefix)
+    plans = limiter._rules.plans("ip:a")
+    calls = [
+        encode(Mode.ACQUIRE, plans, 1, T0 + 1000 * i, SLACK_MS, f"c1:{i + 1}:") for i in range(50)
+    ]
+    for call in calls[:3]:
+        assert (await _alone(server, call))[0] == 1
+    await server.config_resetstat()
+    for call in calls[3:]:
+        reply = await _alone(server, call)
+        assert reply[0] == 0 and reply[4] == 0 and reply[5] > 0  # (retry_after, after 10 s)
+    stats = await server.info("commandstats")
+    assert stats["cmdstat_hmget"]["calls"] == 47
+    assert "cmdstat_hset" not in stats
