@@ -43,6 +43,11 @@ class Charge:
         self.weight = weight
         self.left: dict[str, int] | None = None
 
+    def __reduce__(self) -> tuple[type[None], tuple[()]]:
+        # A pickled (or deep-copied) decision leaves its charge behind (the protocol holds a
+        # connection): it reads the same, and a refund through it is refused.
+        return (type(None), ())
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:

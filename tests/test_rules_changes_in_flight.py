@@ -299,3 +299,20 @@ async def test_lease_taken_under_v1_is_released_after_v2_dropped_concurrency(
         again = await limiter.try_acquire("user:1")
         assert again.allowed and again.lease is not None
         await again.lease.release()
+
+
+async def test_a_decision_pickles_and_leaves_its_charge_behind(redis_url: str, prefix: str) -> None:
+    """A decision pickles (and deep-copies) as before the charge it records was added; the
+    copy reads the same, and a refund through it is refused (it records no charge)."""
+    import copy
+    import pickle
+
+    from aiolimit import InvalidRequestError
+
+    async with Limiter(redis_url, "2/minute", prefix=prefix) as limiter:
+        decision = await limiter.try_acquire("user:1")
+        for clone in (pickle.loads(pickle.dumps(decision)), copy.deepcopy(decision)):
+            assert clone == decision and clone.details == decision.details
+            with pytest.raises(InvalidRequestError, match="records no charge"):
+                await limiter.refund("user:1", decision=clone)
+        assert (await limiter.refund("user:1", decision=decision)).details[0].remaining == 2
