@@ -306,7 +306,10 @@ FACTORIES.sw = function()
         sw_tail(b)
         last, colon, newest, total = b.last, b.colon, b.newest, b.total
       end
-      if not first_off then first_off = tonumber(string.match(rest, '^(%d+)')) end
+      -- (read as first_rec reads it: a first record that is not "<offset>:<total>", by hand,
+      -- fails the general way's check or trim, so it is left to that)
+      if not first_off then first_off = rec(rest, 1) end
+      if not first_off then return nil end
       if newest > cur then return nil end  -- (a record ahead of the key's time: by hand)
       if newest <= cur - n then
         rest = nil  -- every record left the window: it starts again, as a charge would
