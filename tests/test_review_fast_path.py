@@ -87,3 +87,112 @@ async def test_a_window_whose_first_record_is_malformed_and_has_left_the_window(
     got, want, fast_state, general_state = await _both(server, prefix, _live_state(window), args)
     assert _kind(got) == _kind(want) == "error", (got, want)
     assert fast_state == general_state
+
+
+# --- Held: what was tried and answered as the general way does ----------------------------
+
+
+async def _pair_runs(
+    server: Redis,
+    prefix: str,
+    states: dict[str, dict[str, str]],
+    calls: list[tuple[list[str], list[Any]]],
+) -> None:
+    """`calls` (keys as suffixes) as one decide_many batch on each prefix, fast and general."""
+    fast, general = f"{prefix}f", f"{prefix}g"
+    for side in (fast, general):
+        for key, state in states.items():
+            await _seed(server, [f"{side}:{key}"], state)
+    got = await _batch(
+        server, [Call(Mode.ACQUIRE, [f"{fast}:{k}" for k in keys], a, ()) for keys, a in calls]
+    )
+    want = await _batch(
+        server,
+        [
+            Call(Mode.ACQUIRE, [f"{general}:{k}" for k in keys], _general(a), ())
+            for keys, a in calls
+        ],
+    )
+    assert [_kind(x) for x in got] == [_kind(x) for x in want]
+    assert await _state(server, fast) == await _state(server, general)
+
+
+async def test_held_a_batch_with_a_failing_call_between_fast_and_general_calls(
+    server: Redis, prefix: str
+) -> None:
+    """Fast, then general (refund), then a malformed call (loaded reset), then fast again on
+    the same key, and the same on a second key whose window text is the first's (PARSED is
+    keyed by text)."""
+    window = f"{NOW // 100_000 - 2}|0|0:1,2:3"
+    state = _live_state(window)
+    a = lambda mode, stamp, now, flags="": [mode, now, 1, 0, f"c1:{stamp}:", flags, 1, ROOMY]  # noqa: E731
+    calls = [
+        (["{a}"], a("acquire", 5, NOW)),
+        (["{b}"], a("acquire", 5, NOW)),
+        (["{a}"], a("refund", 6, NOW + 10)),
+        (["{a}"], ["acquire", NOW, 1, 0, "c1:x:", "", 1, ROOMY]),
+        (["{a}"], a("acquire", 7, NOW + 20)),
+        (["{b}"], a("acquire", 6, NOW + 20)),
+        (["{a}", "{b}"], ["acquire", NOW + 30, 2, 0, "c1:8:", "", 2, ROOMY, ROOMY]),
+        (["{a}"], a("undo", 7, NOW + 40)),
+        (["{a}"], a("acquire", 7, NOW + 50)),  # (undone: settled, refused)
+        (["{b}"], a("acquire", 9, NOW + 60, "p")),
+    ]
+    await _pair_runs(server, prefix, {"{a}": state, "{b}": state}, calls)
+
+
+async def test_held_several_blocks_refusing_duplicate_and_nine(server: Redis, prefix: str) -> None:
+    """One block refusing while another allows; a duplicate key; nine blocks (past
+    FAST_BLOCKS); a block on a new key after fast ones."""
+    full = f"{NOW // 100_000}|0|0:5"
+    room = f"{NOW // 100_000 - 1}|0|0:1"
+    states = {f"{{k{i}}}": _live_state(room) for i in range(9)}
+    states["{full}"] = _live_state(full)
+    nine = [f"{{k{i}}}" for i in range(9)]
+    calls = [
+        (["{k0}", "{full}"], ["acquire", NOW, 1, 0, "c1:5:", "", 2, BLOCK, BLOCK]),
+        (["{k0}", "{k0}"], ["acquire", NOW, 1, 0, "c1:6:", "", 2, BLOCK, BLOCK]),
+        (nine, ["acquire", NOW, 1, 0, "c1:7:", "", 9] + [BLOCK] * 9),
+        (["{k1}", "{new}"], ["acquire", NOW, 1, 0, "c1:8:", "", 2, BLOCK, BLOCK]),
+        (["{k2}", "{k3}"], ["acquire", NOW, 3, 0, "c1:9:5,6", "", 2, BLOCK, ROOMY]),
+    ]
+    await _pair_runs(server, prefix, states, calls)
+
+
+async def test_held_stamps_with_leading_zeros_and_many_digits(server: Redis, prefix: str) -> None:
+    """The op's stamp as "0009", and 17 digits (past 2^53): its entry and a replay of it."""
+    for stamp, later in (("0009", "9"), ("90071992547409930", "90071992547409931")):
+        state = _live_state(f"{NOW // 100_000 - 1}|0|0:1")
+        calls = [
+            (["{a}"], ["acquire", NOW, 1, 0, f"c1:{stamp}:", "", 1, ROOMY]),
+            (["{a}"], ["acquire", NOW + 5, 1, 0, f"c1:{later}:", "", 1, ROOMY]),
+        ]
+        await _pair_runs(server, f"{prefix}{len(stamp)}", {"{a}": state}, calls)
+
+
+async def test_held_the_limiter_admits_what_it_stores_under_concurrency(
+    redis_url: str, prefix: str
+) -> None:
+    """64 tasks at once on two identifiers, a third of the admissions refunded and some calls
+    cancelled in flight: what stays charged is what was admitted and kept."""
+    limit = Limit(40, per=60)
+    async with Limiter(redis_url, [limit], prefix=prefix) as limiter:
+        await limiter.try_acquire(["ip:a", "ip:b"])  # (the ledgers exist: the fast path)
+        kept = 1
+
+        async def one(i: int) -> int:
+            decision = await limiter.try_acquire(["ip:a", "ip:b"])
+            if not decision.allowed:
+                return 0
+            if i % 3 == 0:
+                await limiter.refund(["ip:a", "ip:b"], decision=decision)
+                return 0
+            return 1
+
+        tasks = [asyncio.create_task(one(i)) for i in range(64)]
+        await asyncio.sleep(0)
+        results = await asyncio.gather(*tasks)
+        kept += sum(results)
+        for ident in ("ip:a", "ip:b"):
+            peek = await limiter.peek(ident)
+            assert peek.remaining == 40 - kept, (ident, peek.remaining, kept)
