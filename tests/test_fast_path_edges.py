@@ -1,4 +1,5 @@
-"""Review h4: the script's fast path (``fast_acquire``/``sw_fast``) against its general way.
+"""The script's fast path (``fast_acquire``/``sw_fast``) against its general way, on hand-made
+states and edge cases (from an adversarial review).
 
 Each test seeds the same stored state under two prefixes, runs the same call on both, once as
 sent (the fast path may take it) and once with the flag "g" (the general way only), and
@@ -173,8 +174,8 @@ async def test_held_stamps_with_leading_zeros_and_many_digits(server: Redis, pre
 async def test_held_the_limiter_admits_what_it_stores_under_concurrency(
     redis_url: str, prefix: str
 ) -> None:
-    """64 tasks at once on two identifiers, a third of the admissions refunded and some calls
-    cancelled in flight: what stays charged is what was admitted and kept."""
+    """64 tasks at once on two identifiers, a third of the admissions refunded: what stays
+    charged is what was admitted and kept."""
     limit = Limit(40, per=60)
     async with Limiter(redis_url, [limit], prefix=prefix) as limiter:
         await limiter.try_acquire(["ip:a", "ip:b"])  # (the ledgers exist: the fast path)
