@@ -582,6 +582,7 @@ class Limiter:
                 left = MAX_RESERVATION_US if deadline is None else deadline - clock.monotonic()
                 max_wait_us = max(0, min(MAX_RESERVATION_US, int(left * 1_000_000)))
             started = clock.monotonic()
+            releases = self._protocol.releases
             held: list[Turn] = []
             token = HELD_TURNS.set(held)
             try:
@@ -630,15 +631,19 @@ class Limiter:
                         raise RateLimited(decision)
                     wait = min(wait, left)
                 self._counts["waits"] += 1
-                await self._sleep_until_release(wait)
+                await self._sleep_until_release(wait, releases)
                 continue
             if deadline is not None and clock.monotonic() + wait > deadline:
                 raise RateLimited(decision)
             self._counts["waits"] += 1
             await clock.sleep(wait + clock.sleep_margin)
 
-    async def _sleep_until_release(self, seconds: float) -> None:
-        """Sleeps ``seconds`` on the clock, or less if this process releases a lease."""
+    async def _sleep_until_release(self, seconds: float, releases: int) -> None:
+        """Sleeps ``seconds`` on the clock, or less if this process releases a lease; not at
+        all if it released one since it counted ``releases`` (before the refused call: the
+        release may have landed after the store refused, and woken nobody)."""
+        if self._protocol.releases != releases:
+            return
         released = self._protocol.next_release()
         sleeping = asyncio.ensure_future(self.clock.sleep(seconds))
         try:

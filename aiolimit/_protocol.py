@@ -232,6 +232,9 @@ class Protocol:
         #: the limiter's refusal cache drops what it holds for them.
         self.on_given_back: Callable[[Sequence[IdentifierPlan]], None] | None = None
         self._release_waiters: set[asyncio.Future[None]] = set()
+        #: Leases this process released so far: a waiter compares it before and after its
+        #: call, so a release whose wake-up came before it waited is not missed.
+        self.releases = 0
         # Charging calls in flight per main key, and the calls waiting for one of them.
         self._in_flight: dict[str, int] = {}
         self._queued: dict[str, deque[asyncio.Future[None]]] = {}
@@ -654,6 +657,7 @@ class Protocol:
             self._wake_release_waiters()
 
     def _wake_release_waiters(self) -> None:
+        self.releases += 1
         waiters, self._release_waiters = self._release_waiters, set()
         for waiter in waiters:
             if not waiter.done():
