@@ -9,7 +9,7 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar
@@ -736,7 +736,7 @@ class Limiter:
         charge = None
         if decision is not None:
             names = identifiers_of(ids)
-            charge = self._charge_of(decision, names)
+            charge = self._charge_of(decision)
             if charge is None:
                 return decision
             weight = check_weight(charge.weight if weight is None else weight, [])
@@ -765,7 +765,7 @@ class Limiter:
             if refusals is not None:
                 refusals.forget(plan.identifier for plan in plans)
 
-    def _charge_of(self, decision: object, names: Sequence[str]) -> Charge | None:
+    def _charge_of(self, decision: object) -> Charge | None:
         """The charge ``decision`` records, checked for a refund through this limiter; None
         when it charged nothing."""
         if not isinstance(decision, Decision):
@@ -791,7 +791,7 @@ class Limiter:
         return charge
 
     def _given_back(
-        self, charge: Charge, names: Sequence[str], weight: int
+        self, charge: Charge, names: Iterable[str], weight: int
     ) -> list[IdentifierPlan]:
         """The plans of ``names`` in ``charge``, checked to have ``weight`` left to give
         back."""

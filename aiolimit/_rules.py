@@ -225,8 +225,8 @@ class Rules:
         return self.plan_for(identifier).keys
 
 
-def identifiers_of(ids: object) -> list[str]:
-    """A call's identifiers, validated; duplicates count once, order is kept."""
+def identifiers_of(ids: object) -> dict[str, None]:
+    """A call's identifiers (the keys), validated; duplicates count once, order is kept."""
     if isinstance(ids, str):
         ids = (ids,)
     elif not isinstance(ids, (list, tuple, set, frozenset)):
@@ -244,7 +244,7 @@ def identifiers_of(ids: object) -> list[str]:
         if not identifier:
             raise InvalidRequestError("an identifier must not be the empty string")
         seen[identifier] = None
-    return list(seen)
+    return seen
 
 
 class RemoteLookup(Protocol):
