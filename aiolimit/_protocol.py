@@ -141,6 +141,8 @@ UNDO_PATIENCE = 300.0
 
 #: A time the scripts store exactly: whole µs below 2**53 (Lua numbers are doubles).
 MAX_NOW_US = 2**53
+#: ``decide``'s ``now_us`` when the call has not read the clock yet (no valid time).
+READ_CLOCK = -1
 
 
 class ClockError(ConfigurationError):
@@ -272,7 +274,7 @@ class Protocol:
 
     async def decide(
         self, mode: Mode, plans: Sequence[IdentifierPlan], weight: int, op: Op | None = None,
-        max_wait_us: int = 0, *, checked: bool = False,
+        max_wait_us: int = 0, *, checked: bool = False, now_us: int | None = -1,
     ) -> Decision:  # fmt: skip
         """Runs ``mode`` (see ``lua/decide.lua``) over every plan, all or nothing.
 
@@ -280,8 +282,11 @@ class Protocol:
         delay comes back as the pairs' ``retry_after`` on an allowed decision. An acquire
         needs an ``op``; ``acquire`` is the safe way to make one. ``checked``: an acquire
         across slots whose check phase allowed already (``_check_phase``): commit at once.
+        ``now_us``: the time to judge by when the call has read it already (a TIME
+        authority is then asked once per decision); ``READ_CLOCK`` (-1): read it here.
         """
-        now_us = None if self._server_time else await client_now(self._clock)
+        if now_us == READ_CLOCK:
+            now_us = None if self._server_time else await client_now(self._clock)
         if self._store.single_slot:
             # The common path, written out: one call, one reply.
             self.statistics.single_slot += 1
@@ -320,6 +325,8 @@ class Protocol:
         is answered every later call acks past the op, so a copy arriving later still charges
         nothing. A client that resends a call by itself resends the same op, which replays.
         """
+        checked = False  # (across slots: the check phase allowed already)
+        now_us: int | None = READ_CLOCK  # (read for the check phase: the commit's time too)
         if len(plans) == 1:
             key = plans[0].keys[0]
             keys = [key]
@@ -332,7 +339,6 @@ class Protocol:
                 slots = await self._enter(keys)
         else:
             keys = [plan.keys[0] for plan in plans]
-            checked = False
             if not self._store.single_slot and not self._penalty:
                 groups = self._groups(plans)
                 if len(groups) > 1:
@@ -377,9 +383,9 @@ class Protocol:
                     if isinstance(reply, BaseException):
                         raise reply
                     result = reply_decision(call, reply)
-                elif len(plans) > 1 and checked:
+                elif now_us != READ_CLOCK:  # (one read of the clock: a TIME authority's)
                     result = await self.decide(
-                        ACQUIRE, plans, weight, op, max_wait_us, checked=True
+                        ACQUIRE, plans, weight, op, max_wait_us, checked=checked, now_us=now_us
                     )
                 else:
                     result = await self.decide(ACQUIRE, plans, weight, op, max_wait_us)

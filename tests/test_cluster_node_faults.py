@@ -396,3 +396,33 @@ async def test_a_cross_slot_lease_taken_while_one_node_freezes_is_not_leaked(
     assert froze
     assert first.allowed, first
     assert not second.allowed, second
+
+
+async def test_a_cross_slot_decision_reads_its_clock_once(
+    redis_cluster_url: str, prefix: str
+) -> None:
+    """The check and the commit of one decision judge by one reading of the clock: with a TIME
+    authority (no cached offset) each reading is a round trip. Admitted or refused at the
+    check, one reading each (two since the check phase came first, until this was fixed)."""
+    from aiolimit.testing import ManualClock
+
+    class Counting(ManualClock):
+        reads = 0
+
+        async def now_us(self) -> int | None:
+            Counting.reads += 1
+            return await super().now_us()
+
+    clock = Counting(start=1_700_000_000.0)
+    async with Limiter(redis_cluster_url, "2/minute", prefix=prefix, clock=clock) as limiter:
+        a, b = "x:0", next(
+            f"x:{i}" for i in range(1, 10_000)
+            if key_slot(main_key(prefix, f"x:{i}").encode())
+            != key_slot(main_key(prefix, "x:0").encode())
+        )  # fmt: skip
+        told = []
+        for _ in range(3):
+            before = Counting.reads
+            told.append((await limiter.try_acquire([a, b])).allowed)
+            assert Counting.reads - before == 1
+    assert told == [True, True, False]
