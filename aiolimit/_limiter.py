@@ -761,6 +761,14 @@ class Limiter:
         try:
             async with self._failure.deadline():
                 return await self._protocol.refund(plans, weight)
+        except BaseException as error:
+            if charge is not None and _unsent(error):
+                # Nothing was sent (it waited in line for its keys): the caller may retry.
+                left = charge.left
+                assert left is not None
+                for plan in plans:
+                    left[plan.identifier] += weight
+            raise
         finally:
             if refusals is not None:
                 refusals.forget(plan.identifier for plan in plans)
@@ -969,3 +977,13 @@ class Acquisition:
                     await decision.lease.release()
             except (BackendError, TimeoutError) as error:
                 logger.warning("aiolimit: releasing a lease failed, retrying: %r", error)
+
+
+def _unsent(error: BaseException) -> bool:
+    """The refund that raised ``error`` sent nothing (its cause chain is marked so)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if getattr(seen, "_aiolimit_unsent", False):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -487,7 +487,11 @@ class Protocol:
         again in the background, with the same op, until the store answers (a slot that
         applied it replays), so it lands once on every pair; its op stays open till then."""
         keys = [plan.keys[0] for plan in plans]
-        slots = await self._enter(keys)
+        try:
+            slots = await self._enter(keys)
+        except BaseException as error:  # (cancelled, or out of time, in line: nothing sent)
+            error._aiolimit_unsent = True  # type: ignore[attr-defined]
+            raise
         op = self.ops.open(keys)
 
         async def refund() -> Decision:
