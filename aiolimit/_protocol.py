@@ -192,6 +192,20 @@ def group_by_slot(plans: Sequence[IdentifierPlan], slot_of: Any) -> list[Sequenc
     return list(groups.values())
 
 
+def _as_is(reply: Reply, weight: int) -> Reply:
+    """An allowing slot's reply within a refused call across slots, its pairs' remaining as
+    stored (a check, or a commit since undone, reports it after the charge: ``weight`` less,
+    for every algorithm), as one call over every slot reports an allowing pair when another
+    refuses. Their reset_after stays the one after the charge."""
+    pairs = tuple(pair._replace(remaining=pair.remaining + weight) for pair in reply.pairs)
+    return Reply(reply.allowed, reply.replay, reply.now_us, pairs)
+
+
+def _refusal(replies: Sequence[Reply], weight: int) -> Decision:
+    """The refusal of a call across slots, from each slot's reply."""
+    return _merge([_as_is(reply, weight) if reply.allowed else reply for reply in replies])
+
+
 def _merge(replies: Sequence[Reply]) -> Decision:
     if len(replies) == 1:
         return decision(replies[0])
@@ -359,8 +373,12 @@ class Protocol:
                     slots = await self._enter(keys)
                     # It queued behind other commits: what its check read is stale by now,
                     # so the commit checks again first (else each of a burst's calls that
-                    # passed on the state before the burst commits, and is compensated).
+                    # passed on the state before the burst commits, and is compensated), at
+                    # a time read again (a charge judged at the time before the wait would
+                    # leave its window that much early).
                     checked = False
+                    if now_us is not None:
+                        now_us = READ_CLOCK
                     break
             else:
                 if len(set(keys)) == len(keys):
@@ -526,7 +544,7 @@ class Protocol:
         if all(allows(raw) for raw in checked):  # (an allowed check needs no decoding)
             return None
         self.statistics.refused_at_check += 1
-        return _merge([decode(c, r) for c, r in zip(checks, checked, strict=True)])
+        return _refusal([decode(c, r) for c, r in zip(checks, checked, strict=True)], weight)
 
     async def _two_phase(
         self, groups: Sequence[Sequence[IdentifierPlan]], weight: int, now_us: int | None,
@@ -564,7 +582,7 @@ class Protocol:
         self.statistics.compensations += 1
         undo = [call for call, reply in zip(calls, replies, strict=True) if reply.allowed]
         await self._shielded(self._compensate(undo, weight, op, now_us))
-        return _merge(replies)
+        return _refusal(replies, weight)
 
     # --- undo, release, renew ---------------------------------------------------------------
 

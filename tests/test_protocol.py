@@ -599,3 +599,34 @@ async def test_a_refusal_cached_during_a_compensation_is_dropped_when_it_lands()
         assert again.allowed, f"refused by the cache after the compensation landed: {again}"
     finally:
         await limiter.aclose()
+
+
+async def test_a_cross_slot_call_that_queued_is_judged_at_a_fresh_time() -> None:
+    """A call whose check passed, then queued for its place behind MAX_IN_FLIGHT charging
+    calls, checks and commits at the time read after the wait: judged at the time before it,
+    its charge would leave its window that much early. Without a wait, check and commit share
+    one reading (test_cluster_node_faults: one reading per decision)."""
+    from aiolimit.testing import ManualClock
+
+    slots = HeldSlots()
+    rules = Rules([Limit(10**6, per=60)], "p")
+    clock = ManualClock(start=1_700_000_000.0)
+    proto = Protocol(slots, clock, undo_patience=0.05)
+    seen: list[Call] = []
+    slots.before = lambda mode, call: seen.append(call)
+    full = [
+        asyncio.ensure_future(proto.acquire([rules.plan("g")], 1)) for _ in range(MAX_IN_FLIGHT)
+    ]
+    await _until(lambda: slots.running.get("g") == MAX_IN_FLIGHT)
+    late = asyncio.ensure_future(proto.acquire(rules.plans(["g", "c"]), 1))
+    await _until(lambda: any(call.mode is Mode.CHECK for call in seen))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    checked_at = next(call for call in seen if call.mode is Mode.CHECK).args[1]
+    clock.advance(30)
+    slots.let(10**4)
+    assert all(d.allowed for d in await asyncio.gather(*full, late))
+    commits = [call for call in seen if call.mode is Mode.ACQUIRE and len(call.plans) == 1]
+    committed_at = {call.args[1] for call in commits if call.plans[0].identifier == "c"}
+    assert checked_at == 1_700_000_000_000_000
+    assert committed_at == {1_700_000_030_000_000}

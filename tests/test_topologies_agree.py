@@ -1,6 +1,6 @@
-"""Adversarial review h5 of the latest changes: release counter for Concurrency waiters,
-cross-slot acquire order, the script's fast path on a cluster / memory://, and
-refund(decision=). Real redis-server processes (conftest); each test names what it checks."""
+"""Standalone, cluster and memory:// answer alike (the script's fast path, a cross-slot
+refusal's remaining), and a refund through a decision that sent nothing can be sent again
+(from an adversarial review). Real redis-server processes (conftest)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from aiolimit import Concurrency, InvalidRequestError, Limit, Limiter
+from aiolimit import InvalidRequestError, Limit, Limiter
 from aiolimit._protocol import MAX_IN_FLIGHT
 from aiolimit.testing import ManualClock
 
@@ -112,9 +112,10 @@ async def test_a_cross_slot_refusal_reports_the_remaining_stored_as_standalone_d
 ) -> None:
     """A refusal charged nothing. On a standalone server (and memory://) a refused decision's
     allowing pairs report what is stored (5 left on "b"); on a cluster, a refusal at the
-    check phase reports them as if charged (5 - 3 = 2): the CHECK calls' replies are merged
-    as they are (_protocol.py _check_phase -> _merge). Decision.remaining and the RateLimit
-    headers then depend on the store's topology."""
+    check phase reported them as if charged (5 - 3 = 2): the CHECK calls' replies were
+    merged as they are, and Decision.remaining and the RateLimit headers depended on the
+    store's topology. They are reported as stored now (reset_after stays the one after the
+    charge)."""
     told = {}
     for name, url in (("standalone", redis_url), ("cluster", redis_cluster_url)):
         clock = ManualClock(START)
