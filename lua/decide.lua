@@ -167,6 +167,75 @@ end
 -- with 2048 of each filed (bench.bench --concurrency 1) than with 512 ledgers and 256 states.
 local LEDGERS, ledgers_filed, LEDGERS_SIZE = {}, 0, 512
 local ledgers_bytes, LEDGERS_BYTES = 0, 262144
+
+-- A stored ledger's horizon, entries and single stamp (nil: not known), from the text.
+local function parse_ledger(raw)
+  local filed = LEDGERS[raw]
+  if filed and filed.stored == raw then return filed.horizon, filed.entries, filed.single end
+  local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
+  return tonumber(horizon) or 0, entries or '', nil
+end
+
+-- Files ledger `l` (horizon, entries, single) under the text `value` just written, when a
+-- parse of that text gives it back: fmt wrote now and the horizon as digits (a negative or
+-- huge now, sent as such, would not read back).
+local function file_ledger(value, l, horizon)
+  l.stored = nil
+  if now >= 0 and now < 2 ^ 63 and horizon < 2 ^ 63 then
+    if ledgers_filed >= LEDGERS_SIZE or ledgers_bytes >= LEDGERS_BYTES then
+      LEDGERS, ledgers_filed, ledgers_bytes = {}, 0, 0
+    end
+    if not LEDGERS[value] then
+      ledgers_filed, ledgers_bytes = ledgers_filed + 1, ledgers_bytes + #value
+    end
+    l.stored = value
+    LEDGERS[value] = l
+  end
+end
+
+-- Where this op's entry is in `entries`: the text after "<stamp>@" ("-" or a time), or nil.
+-- A plain search (memchr speed), then a check that it starts an entry.
+local function entry_at(entries)
+  local from = 1
+  while true do
+    local first, last = string.find(entries, op_entry, from, true)
+    if not first then return nil end
+    if first == 1 or string.byte(entries, first - 1) == 44 then  -- 44: ','
+      return string.match(entries, '^[%d-]+', last + 1)
+    end
+    from = last + 1
+  end
+end
+
+-- `entries` without those at or below `horizon`, cut from the front (they arrive in stamp
+-- order, near enough: each is dropped once, so this costs O(1) a call over time).
+local function cut_front(entries, horizon)
+  local cut = 1
+  while true do
+    local _, last, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
+    if not last or tonumber(stamp) > horizon then break end
+    cut = last + 1
+  end
+  if cut > 1 then return string.sub(entries, cut) end
+  return entries
+end
+
+-- `entries` (whose one entry, when known, has the stamp `single`; never this op's) with this
+-- op's `entry` added, cut at `horizon`. What the cut leaves is known without it when this
+-- op's stamp is above the horizon (always but for an undo on a key where the op is settled
+-- already) and the entries were empty or held one entry of a known stamp.
+local function add_entry(entries, single, horizon, entry)
+  if entries == '' then
+    if op_stamp > horizon then return entry end
+    return cut_front(entry, horizon)
+  end
+  if single and op_stamp > horizon then
+    if single <= horizon then return entry end
+    return entries .. ',' .. entry
+  end
+  return cut_front(entries .. ',' .. entry, horizon)
+end
+
 local function ledger(s)
   local ledgers = s.ledgers
   if not ledgers then
@@ -185,14 +254,7 @@ local function ledger(s)
        single = nil, stored = nil}
   local raw = read_field(s, op_field)
   if raw then
-    local filed = LEDGERS[raw]
-    if filed and filed.stored == raw then
-      l.horizon, l.entries, l.single, l.stored = filed.horizon, filed.entries, filed.single, raw
-    else
-      local horizon, entries = string.match(raw, '^%d+;(%d+);(.*)$')
-      l.horizon = tonumber(horizon) or 0
-      l.entries = entries or ''
-    end
+    l.horizon, l.entries, l.single = parse_ledger(raw)
   else
     s.new_ledger = call_seq  -- this call writes a client's first ledger here: prune (flush)
   end
@@ -208,18 +270,7 @@ local function ledger_at(l)
     l.looked, l.at = true, nil
     return nil
   end
-  local entries = l.entries
-  local from = 1
-  local at
-  while true do  -- a plain search (memchr speed), then a check that it starts an entry
-    local first, last = string.find(entries, op_entry, from, true)
-    if not first then break end
-    if first == 1 or string.byte(entries, first - 1) == 44 then  -- 44: ','
-      at = string.match(entries, '^[%d-]+', last + 1)
-      break
-    end
-    from = last + 1
-  end
+  local at = entry_at(l.entries)
   local result = nil
   if at == '-' then
     result = false
@@ -271,34 +322,13 @@ local function op_record(s, time)
   if time then when = fmt_time(time) end
   local entry = op_entry .. when
   local entries = l.entries
-  local single = l.single
   l.stored = nil  -- (changed from here on: no longer the parse of its filed text)
-  -- What the cut below would leave, known without it when this op's stamp is above the
-  -- horizon (always but for an undo on a key where the op is settled already) and the entries
-  -- were empty or held one entry of a known stamp (never this op's: ledger_at found none).
-  local known = false
-  if ledger_at(l) ~= nil then
+  if ledger_at(l) ~= nil then  -- (this op's entry is rewritten where it stands)
     local text = string.gsub(',' .. entries .. ',', ',' .. op_entry .. '[%d-]+,',
                              ',' .. entry .. ',', 1)
-    entries = string.sub(text, 2, -2)
-  elseif entries == '' then
-    entries = entry
-    known = op_stamp > horizon
+    entries = cut_front(string.sub(text, 2, -2), horizon)
   else
-    if single and op_stamp > horizon then
-      known = true
-      if single <= horizon then entries = '' end
-    end
-    if entries == '' then entries = entry else entries = entries .. ',' .. entry end
-  end
-  if not known then
-    local cut = 1
-    while true do
-      local _, last, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
-      if not last or tonumber(stamp) > horizon then break end
-      cut = last + 1
-    end
-    if cut > 1 then entries = string.sub(entries, cut) end
+    entries = add_entry(entries, l.single, horizon, entry)
   end
   if #entries > OP_KEEP_BYTES then
     local open = {}
@@ -326,18 +356,7 @@ local function op_record(s, time)
   l.single = nil
   -- (a stamp past 2^63 is written with a "-" by fmt: the front cut cannot read its entry)
   if entries == entry and op_stamp < 2 ^ 63 then l.single = op_stamp end
-  -- Filed only when a parse of the text gives this ledger: fmt wrote now and the horizon
-  -- as digits (a negative or huge now, sent as such, would not read back).
-  if now >= 0 and now < 2 ^ 63 and horizon < 2 ^ 63 then
-    if ledgers_filed >= LEDGERS_SIZE or ledgers_bytes >= LEDGERS_BYTES then
-      LEDGERS, ledgers_filed, ledgers_bytes = {}, 0, 0
-    end
-    if not LEDGERS[value] then
-      ledgers_filed, ledgers_bytes = ledgers_filed + 1, ledgers_bytes + #value
-    end
-    l.stored = value
-    LEDGERS[value] = l
-  end
+  file_ledger(value, l, horizon)
   if time == false then want_ttl(s, OP_TOMBSTONE_MS) end
 end
 
@@ -498,24 +517,9 @@ local function fast_key(b, key, first, last, weight)
   local t = tonumber(raw_t) or 0
   if t < now then t = now end
   -- This client's ledger (see ledger() and op_state()): the op must be new here.
-  local horizon, entries, single
-  local filed = LEDGERS[raw_ledger]
-  if filed and filed.stored == raw_ledger then
-    horizon, entries, single = filed.horizon, filed.entries, filed.single
-  else
-    local h, e = string.match(raw_ledger, '^%d+;(%d+);(.*)$')
-    horizon, entries = tonumber(h) or 0, e or ''
-  end
+  local horizon, entries, single = parse_ledger(raw_ledger)
   if op_stamp <= horizon then return false end
-  if not (single and single ~= op_stamp) then
-    local from = 1
-    while true do
-      local found, upto = string.find(entries, op_entry, from, true)
-      if not found then break end
-      if found == 1 or string.byte(entries, found - 1) == 44 then return false end  -- ','
-      from = upto + 1
-    end
-  end
+  if not (single and single ~= op_stamp) and entry_at(entries) then return false end
   -- Every pair: its new text, or nil (the general way then).
   local set = FAST_SETS[b]
   if not set then
@@ -548,26 +552,7 @@ local function fast_key(b, key, first, last, weight)
   local floor = op_floor - 1
   if floor > horizon then horizon = floor end
   local entry = op_entry .. fmt_time(t)
-  local known = false
-  if entries == '' then
-    entries = entry
-    known = op_stamp > horizon
-  else
-    if single and op_stamp > horizon then
-      known = true
-      if single <= horizon then entries = '' end
-    end
-    if entries == '' then entries = entry else entries = entries .. ',' .. entry end
-  end
-  if not known then
-    local cut = 1
-    while true do
-      local _, upto, stamp = string.find(entries, '^(%d+)@[%d-]+,?', cut)
-      if not upto or tonumber(stamp) > horizon then break end
-      cut = upto + 1
-    end
-    if cut > 1 then entries = string.sub(entries, cut) end
-  end
+  entries = add_entry(entries, single, horizon, entry)
   if #entries > OP_KEEP_BYTES then return false end
   set[1], set[2], set[3] = 't', fmt_time(t), op_field
   set[4] = fmt_time(now) .. ';' .. fmt(horizon) .. ';' .. entries
@@ -625,18 +610,9 @@ local function fast_acquire(KEYS, nblocks, weight, batch)
   for b = 1, nblocks do
     local set = FAST_SETS[b]
     redis.call('HSET', KEYS[b], unpack(set, 1, set.n))
-    local ledger_text = set[4]
     local horizon = staged[3 * b - 2]
-    if now >= 0 and now < 2 ^ 63 and horizon < 2 ^ 63 then
-      if ledgers_filed >= LEDGERS_SIZE or ledgers_bytes >= LEDGERS_BYTES then
-        LEDGERS, ledgers_filed, ledgers_bytes = {}, 0, 0
-      end
-      if not LEDGERS[ledger_text] then
-        ledgers_filed, ledgers_bytes = ledgers_filed + 1, ledgers_bytes + #ledger_text
-      end
-      LEDGERS[ledger_text] = {horizon = horizon, entries = staged[3 * b - 1],
-                              single = staged[3 * b] or nil, stored = ledger_text}
-    end
+    file_ledger(set[4], {horizon = horizon, entries = staged[3 * b - 1],
+                         single = staged[3 * b] or nil, stored = nil}, horizon)
   end
   local out = {1, 0, now}
   for i = 1, npairs do
