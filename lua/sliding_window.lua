@@ -187,6 +187,17 @@ FACTORIES.sw = function()
     return b
   end
 
+  -- Files state `b` under the text `value` it was written as (see PARSED above).
+  local function sw_file(value, b)
+    if parsed_count >= PARSED_SIZE or parsed_bytes >= PARSED_BYTES then
+      PARSED, parsed_count, parsed_bytes = {}, 0, 0
+    end
+    if not PARSED[value] then
+      parsed_count, parsed_bytes = parsed_count + 1, parsed_bytes + #value
+    end
+    PARSED[value] = b
+  end
+
   local function sw_store(s, b)
     if b.rest then
       local head = b.head
@@ -203,13 +214,7 @@ FACTORIES.sw = function()
       if b.base >= 0 and b.newest >= b.base and b.newest < 2 ^ 63 and b.c0 < 2 ^ 63
          and b.total < 2 ^ 63
          and (b.last == 1 or #b.rest - b.last < 64) then
-        if parsed_count >= PARSED_SIZE or parsed_bytes >= PARSED_BYTES then
-          PARSED, parsed_count, parsed_bytes = {}, 0, 0
-        end
-        if not PARSED[value] then
-          parsed_count, parsed_bytes = parsed_count + 1, parsed_bytes + #value
-        end
-        PARSED[value] = b
+        sw_file(value, b)
       else
         b.stored = nil
       end
@@ -352,15 +357,9 @@ FACTORIES.sw = function()
     local value = head .. rest
     -- Filed as sw_store files a state (the same bounds; every number here is below 2^52).
     if last == 1 or #rest - last < 64 then
-      if parsed_count >= PARSED_SIZE or parsed_bytes >= PARSED_BYTES then
-        PARSED, parsed_count, parsed_bytes = {}, 0, 0
-      end
-      if not PARSED[value] then
-        parsed_count, parsed_bytes = parsed_count + 1, parsed_bytes + #value
-      end
-      PARSED[value] = {name = spec.sw_name, base = base, c0 = c0, rest = rest, head = head,
-                       head_base = base, head_c0 = c0, first_off = first_off, first_c = nil,
-                       last = last, colon = colon, newest = cur, total = total, stored = value}
+      sw_file(value, {name = spec.sw_name, base = base, c0 = c0, rest = rest, head = head,
+                      head_base = base, head_c0 = c0, first_off = first_off, first_c = nil,
+                      last = last, colon = colon, newest = cur, total = total, stored = value})
     end
     local reset = (cur + n) * p - now
     return true, value, amount - count - weight, 0, reset, math.ceil(reset / 1000),
