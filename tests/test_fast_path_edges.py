@@ -197,3 +197,49 @@ async def test_held_the_limiter_admits_what_it_stores_under_concurrency(
         for ident in ("ip:a", "ip:b"):
             peek = await limiter.peek(ident)
             assert peek.remaining == 40 - kept, (ident, peek.remaining, kept)
+
+
+# --- A ledger at its size bound (OP_KEEP_BYTES) ----------------------------------------------
+
+OP_KEEP_BYTES = 65_536  # lua/prelude.lua
+
+
+def _long_ledger(size: int) -> tuple[str, int]:
+    """A ledger of client c1 held open by its stamp 5 (never settled: the horizon stays 4),
+    whose entries take ``size`` bytes or a few less; and the next stamp after them."""
+    entries: list[str] = []
+    length = -1
+    stamp = 10
+    while True:
+        entry = f"{stamp}@{NOW - 500}"
+        if length + 1 + len(entry) > size:
+            break
+        entries.append(entry)
+        length += 1 + len(entry)
+        stamp += 1
+    return f"{NOW - 1000};4;" + ",".join(entries), stamp
+
+
+async def test_a_ledger_pushed_past_its_bound_is_trimmed_as_the_general_way_trims_it(
+    server: Redis, prefix: str
+) -> None:
+    """An op stuck open (stamp 5) with much traffic behind it: the next op's entry takes the
+    ledger past OP_KEEP_BYTES. The fast path must step aside (it never trims) so that the
+    general way keeps the newest half, the open op and the new entry, as it does alone."""
+    for size, trimmed in ((OP_KEEP_BYTES, True), (OP_KEEP_BYTES - 40, False)):
+        ledger, stamp = _long_ledger(size)
+        state = {**_live_state(f"{NOW // 100_000 - 1}|0|0:1"), "o:c1": ledger}
+        args = ["acquire", NOW, 1, 0, f"c1:{stamp}:5", "", 1, ROOMY]
+        side = f"{prefix}{size}"
+        got, want, fast_state, general_state = await _both(server, side, state, args)
+        assert got == want and got[0] == 1, (got, want)
+        assert fast_state == general_state
+        (fields,) = fast_state.values()
+        written = fields[b"o:c1"].decode()
+        entries = written.split(";", 2)[2]
+        assert entries.endswith(f",{stamp}@{NOW}")  # the new op's entry
+        if trimmed:  # the newest half kept (the open stamp 5 has no entry to keep)
+            assert OP_KEEP_BYTES // 2 <= len(entries) < OP_KEEP_BYTES // 2 + 64, len(entries)
+            assert not entries.startswith("10@")
+        else:  # it fits: nothing dropped
+            assert len(entries) <= OP_KEEP_BYTES and entries.startswith("10@"), len(entries)
