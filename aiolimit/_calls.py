@@ -162,53 +162,64 @@ def reply_decision(call: Call, raw: Sequence[int]) -> Decision:
                 raw[0] == 1, remaining, 0.0 if pair_allowed else retry, reset, identifier,
                 limit, (pair,),
             )  # fmt: skip
-    # Several pairs: decoded and merged in one pass (Decision.from_pairs's rules, on locals).
+    return replies_decision((call,), (raw,))
+
+
+def replies_decision(calls: Sequence[Call], raws: Sequence[Sequence[int]]) -> Decision:
+    """The decision over several calls' replies (one per slot of a call across slots, all
+    answered): ``decision`` of their pairs merged, the call allowed only if every reply
+    allows. Decoded and merged in one pass (``Decision.from_pairs``'s rules, on locals),
+    without the intermediate replies."""
     pairs: list[PairDecision] = []
     append = pairs.append
-    at = REPLY_HEAD
+    allowed = True
     merged = True  # every pair so far allows
     remaining = bound_remaining = 0
     reset = retry_bound = 0.0
     bound_identifier: str | None = None
     bound_limit: BaseLimit | None = None
-    for plan in plans:
-        identifier = plan.identifier
-        for limit in plan.limits:
-            pair_allowed = raw[at] == 1
-            pair_remaining = raw[at + 1]
-            retry_us = raw[at + 2]
-            reset_us = raw[at + 3]
-            retry = retry_us / 1_000_000 if retry_us > 0 else 0.0
-            pair_reset = reset_us / 1_000_000 if reset_us > 0 else 0.0
-            append(
-                _new_pair(
-                    PairDecision,
-                    (identifier, limit, pair_allowed, pair_remaining, retry, pair_reset),
+    for call, raw in zip(calls, raws, strict=True):
+        if raw[0] != 1:
+            allowed = False
+        at = REPLY_HEAD
+        for plan in call.plans:
+            identifier = plan.identifier
+            for limit in plan.limits:
+                pair_allowed = raw[at] == 1
+                pair_remaining = raw[at + 1]
+                retry_us = raw[at + 2]
+                reset_us = raw[at + 3]
+                retry = retry_us / 1_000_000 if retry_us > 0 else 0.0
+                pair_reset = reset_us / 1_000_000 if reset_us > 0 else 0.0
+                append(
+                    _new_pair(
+                        PairDecision,
+                        (identifier, limit, pair_allowed, pair_remaining, retry, pair_reset),
+                    )
                 )
-            )
-            if at == REPLY_HEAD:  # the first pair binds until another does
-                remaining, reset = pair_remaining, pair_reset
-                bound_identifier, bound_limit = identifier, limit
-                bound_remaining, retry_bound = pair_remaining, retry
-            else:
-                if pair_remaining < remaining:
-                    remaining = pair_remaining
-                if pair_reset > reset:
-                    reset = pair_reset
-            if not pair_allowed:
-                if merged or retry > retry_bound:
+                if bound_limit is None:  # the first pair binds until another does
+                    remaining, reset = pair_remaining, pair_reset
                     bound_identifier, bound_limit = identifier, limit
                     bound_remaining, retry_bound = pair_remaining, retry
-                merged = False
-            elif merged and pair_remaining < bound_remaining:
-                bound_identifier, bound_limit = identifier, limit
-                bound_remaining, retry_bound = pair_remaining, retry
-            at += REPLY_PER_PAIR
+                else:
+                    if pair_remaining < remaining:
+                        remaining = pair_remaining
+                    if pair_reset > reset:
+                        reset = pair_reset
+                if not pair_allowed:
+                    if merged or retry > retry_bound:
+                        bound_identifier, bound_limit = identifier, limit
+                        bound_remaining, retry_bound = pair_remaining, retry
+                    merged = False
+                elif merged and pair_remaining < bound_remaining:
+                    bound_identifier, bound_limit = identifier, limit
+                    bound_remaining, retry_bound = pair_remaining, retry
+                at += REPLY_PER_PAIR
     if not pairs:
-        return decision(decode(call, raw))
-    # The script's all-or-nothing verdict stands (a replayed refusal is a refusal).
+        return Decision(allowed, 0, 0.0, 0.0, None, None, ())
+    # The scripts' all-or-nothing verdict stands (a replayed refusal is a refusal).
     return Decision(
-        raw[0] == 1, remaining, 0.0 if merged else retry_bound, reset, bound_identifier,
+        allowed, remaining, 0.0 if merged else retry_bound, reset, bound_identifier,
         bound_limit, tuple(pairs),
     )  # fmt: skip
 

@@ -93,6 +93,7 @@ from aiolimit._calls import (
     decision,
     decode,
     encode,
+    replies_decision,
     reply_decision,
 )
 from aiolimit._clock import Clock, ServerClock
@@ -280,10 +281,6 @@ class Protocol:
             raise error
         return results  # type: ignore[return-value]
 
-    async def _replies(self, calls: Sequence[Call]) -> list[Reply]:
-        raw = await self._raw_replies(calls)
-        return [decode(call, result) for call, result in zip(calls, raw, strict=True)]
-
     # --- decisions --------------------------------------------------------------------------
 
     async def decide(
@@ -316,12 +313,12 @@ class Protocol:
         if len(groups) == 1:
             self.statistics.single_slot += 1
             calls = self._calls(mode, groups, weight, now_us, op, max_wait_us)
-            return _merge(await self._replies(calls))
+            return replies_decision(calls, await self._raw_replies(calls))
         self._count_slots(len(groups))
         if mode is not ACQUIRE:
             # check, refund and undo touch each slot independently.
             calls = self._calls(mode, groups, weight, now_us, op, max_wait_us)
-            return _merge(await self._replies(calls))
+            return replies_decision(calls, await self._raw_replies(calls))
         assert op is not None
         return await self._two_phase(groups, weight, now_us, op, max_wait_us, checked=checked)
 
@@ -574,9 +571,9 @@ class Protocol:
             await self._shielded(self._compensate(undo, weight, op, now_us))
             error._aiolimit_undone = op.stamp  # type: ignore[attr-defined]
             raise error
+        if self._penalty or all(allows(raw) for raw in results):  # type: ignore[arg-type]
+            return replies_decision(calls, results)  # type: ignore[arg-type]
         replies = [decode(call, result) for call, result in zip(calls, results, strict=True)]  # type: ignore[arg-type]
-        if all(reply.allowed for reply in replies) or self._penalty:
-            return _merge(replies)
         # Another client won the race between the phases: undo the slots that charged (the
         # others charged nothing). If that undo fails, ``acquire`` undoes them all.
         self.statistics.compensations += 1

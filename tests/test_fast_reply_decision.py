@@ -19,9 +19,11 @@ from aiolimit._calls import (
     decision,
     decode,
     encode,
+    replies_decision,
     reply_decision,
 )
 from aiolimit._decision import Decision
+from aiolimit._protocol import _merge
 from aiolimit._rules import Rules
 
 LIMITS = {
@@ -86,3 +88,21 @@ def test_replayed_refusal_is_a_refusal() -> None:
         assert fields(reply_decision(call, raw)) == fields(decision(decode(call, raw)))
     d = reply_decision(call, [0, 1, 0, 1, 7, 5, 900_000])
     assert d.allowed is False and d.retry_after == 0.0 and d.details[0].allowed is True
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_replies_decision_equals_the_merge_of_each_decoded_reply(seed: int) -> None:
+    """Across slots: one decision from each slot's call and reply, as the merge of their
+    decoded replies (the all-or-nothing verdict from every reply's own)."""
+    rng = random.Random(seed)
+    rules = Rules(LIMITS, "p")
+    kinds = list(LIMITS)
+    for _ in range(300):
+        calls, raws = [], []
+        for _ in range(rng.choice([1, 2, 2, 3])):
+            ids = list(dict.fromkeys(f"{rng.choice(kinds)}:{rng.randrange(9)}" for _ in range(2)))
+            plans = rules.plans(ids)
+            calls.append(encode(rng.choice([ACQUIRE, CHECK]), plans, 1, None, 0, "c:1:", False, 0))
+            raws.append(raw_reply(rng, sum(len(plan.limits) for plan in plans)))
+        want = _merge([decode(call, raw) for call, raw in zip(calls, raws, strict=True)])
+        assert fields(replies_decision(calls, raws)) == fields(want)
