@@ -286,6 +286,7 @@ class Protocol:
     async def decide(
         self, mode: Mode, plans: Sequence[IdentifierPlan], weight: int, op: Op | None = None,
         max_wait_us: int = 0, *, checked: bool = False, now_us: int | None = -1,
+        groups: Sequence[Sequence[IdentifierPlan]] | None = None,
     ) -> Decision:  # fmt: skip
         """Runs ``mode`` (see ``lua/decide.lua``) over every plan, all or nothing.
 
@@ -295,6 +296,7 @@ class Protocol:
         across slots whose check phase allowed already (``_check_phase``): commit at once.
         ``now_us``: the time to judge by when the call has read it already (a TIME
         authority is then asked once per decision); ``READ_CLOCK`` (-1): read it here.
+        ``groups``: ``plans`` grouped by slot, when the caller has grouped them already.
         """
         if now_us == READ_CLOCK:
             now_us = None if self._server_time else await client_now(self._clock)
@@ -309,7 +311,8 @@ class Protocol:
             if isinstance(result, BaseException):
                 raise result
             return reply_decision(call, result)
-        groups = self._groups(plans)
+        if groups is None:
+            groups = self._groups(plans)
         if len(groups) == 1:
             self.statistics.single_slot += 1
             calls = self._calls(mode, groups, weight, now_us, op, max_wait_us)
@@ -338,6 +341,7 @@ class Protocol:
         """
         checked = False  # (across slots: the check phase allowed already)
         now_us: int | None = READ_CLOCK  # (read for the check phase: the commit's time too)
+        groups: list[Sequence[IdentifierPlan]] | None = None  # (by slot, once grouped)
         if len(plans) == 1:
             key = plans[0].keys[0]
             keys = [key]
@@ -398,10 +402,12 @@ class Protocol:
                     if isinstance(reply, BaseException):
                         raise reply
                     result = reply_decision(call, reply)
-                elif now_us != READ_CLOCK:  # (one read of the clock: a TIME authority's)
+                elif now_us != READ_CLOCK or groups is not None:
+                    # (one read of the clock, a TIME authority's; the slots grouped once)
                     result = await self.decide(
-                        ACQUIRE, plans, weight, op, max_wait_us, checked=checked, now_us=now_us
-                    )
+                        ACQUIRE, plans, weight, op, max_wait_us, checked=checked,
+                        now_us=now_us, groups=groups,
+                    )  # fmt: skip
                 else:
                     result = await self.decide(ACQUIRE, plans, weight, op, max_wait_us)
             except BaseException as error:

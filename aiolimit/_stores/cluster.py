@@ -276,6 +276,11 @@ class ClusterStore(Store):
         submit = self._batcher.submit
         futures = [submit(call.keys, call.args, deadline) for call in calls]
         results = await wait_results(futures)
+        for result in results:
+            if isinstance(result, BaseException):
+                break
+        else:
+            return results  # (the common case: every call answered)
         redo = [
             index
             for index, result in enumerate(results)
