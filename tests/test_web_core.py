@@ -238,6 +238,33 @@ def test_refused_headers_retry_after_is_the_largest_rounded_up() -> None:
     assert headers["X-RateLimit-Reset"] == "13"
 
 
+def test_one_pair_headers_are_those_of_the_general_way() -> None:
+    """A single pair's headers (written out) read as the items the general way makes: the
+    same pair next to an undescribable one goes through ``_items``; kinds and limits equal
+    by value share a description, different ones never do."""
+    cases = [
+        pair("ip:203.0.113.7", TEN_PER_SECOND, True, 7, 0.0, 0.4),
+        pair("ip:203.0.113.8", Limit(10, per=1), False, 0, 2.5, 0.9),  # equal by value
+        pair("ip:203.0.113.7", Limit(10, per=2), True, 3, 0.0, 1.5),  # another limit
+        pair("user:42", TEN_PER_SECOND, True, -2, 0.0, 0.0),  # another kind
+        pair("plain", TokenBucket(4, per=1, burst=20), False, 0, 0.25, 4.0),
+        pair("route:GET /x:ip:1", Concurrency(3, lease_ttl=30), True, 2, 0.0, 30.0),
+    ]
+    for one in cases:
+        decision = Decision.from_pairs((one,))
+        fast = rate_limit_headers(decision)
+        # The general way: two pairs of one policy name, the tighter of them the same pair.
+        roomy = one._replace(allowed=True, remaining=one.remaining + 1000)
+        both = Decision(
+            decision.allowed, one.remaining, decision.retry_after, one.reset_after,
+            one.identifier, one.limit, (roomy, one),
+        )  # fmt: skip
+        general = rate_limit_headers(both)
+        assert fast == general, one
+    names = [dict(rate_limit_headers(Decision.from_pairs((p,))))["RateLimit-Policy"] for p in cases]
+    assert names[0] == names[1] and len(set(names)) == len(names) - 1
+
+
 @pytest.mark.parametrize(("retry", "expected"), [(0.0001, 1), (1.0, 1), (1.2, 2), (2.999, 3)])
 def test_retry_after_rounding(retry: float, expected: int) -> None:
     """Retry-After rounds up and is at least 1."""

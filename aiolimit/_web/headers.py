@@ -69,6 +69,35 @@ class _Item:
     quota: int
     window: int
     pair: PairDecision
+    policy: str  # its RateLimit-Policy item
+
+
+#: (the policy name, quota, window, RateLimit-Policy item) per (identifier kind, limit), or
+#: None for a limit that cannot be described: the same on every response (bounded).
+_DESCRIBED: dict[tuple[str, BaseLimit], tuple[str, int, int, str] | None] = {}
+_DESCRIBED_MAX = 1024
+
+
+def _described(identifier: str, limit: BaseLimit) -> tuple[str, int, int, str] | None:
+    kind = identifier.partition(":")[0] if ":" in identifier else "default"
+    key = (kind, limit)
+    try:
+        return _DESCRIBED[key]
+    except KeyError:
+        pass
+    except TypeError:  # (a limit that cannot be hashed: described each time)
+        key = None  # type: ignore[assignment]
+    described = quota_and_window(limit)
+    found = None
+    if described is not None:
+        quota, window = described
+        name = policy_name(identifier, quota, window)
+        found = (name, quota, window, f'"{name}";q={quota};w={window}')
+    if key is not None:
+        if len(_DESCRIBED) >= _DESCRIBED_MAX:
+            _DESCRIBED.clear()
+        _DESCRIBED[key] = found
+    return found
 
 
 def _items(decision: Decision) -> list[_Item]:
@@ -79,16 +108,16 @@ def _items(decision: Decision) -> list[_Item]:
     """
     chosen: dict[str, _Item] = {}
     for pair in decision.details:
-        described = quota_and_window(pair.limit)
+        described = _described(pair.identifier, pair.limit)
         if described is None:
             continue
-        name = policy_name(pair.identifier, *described)
+        name = described[0]
         current = chosen.get(name)
         if current is None or (pair.allowed, pair.remaining) < (
             current.pair.allowed,
             current.pair.remaining,
         ):
-            chosen[name] = _Item(name, *described, pair)
+            chosen[name] = _Item(name, described[1], described[2], pair, described[3])
     return list(chosen.values())
 
 
@@ -99,18 +128,31 @@ def retry_after_seconds(decision: Decision) -> int:
 
 def rate_limit_headers(decision: Decision, *, legacy: bool = False) -> list[tuple[str, str]]:
     """The headers for any response this decision covers (none for a degraded one)."""
-    if decision.degraded or not decision.details:
+    details = decision.details
+    if decision.degraded or not details:
         return []
+    if len(details) == 1 and not legacy:  # the commonest: one identifier under one limit
+        pair = details[0]
+        described = _described(pair.identifier, pair.limit)
+        if described is not None:
+            headers = [
+                ("RateLimit-Policy", described[3]),
+                ("RateLimit", f'"{described[0]}";r={max(0, pair.remaining)};t='
+                              f"{_effective_window(pair)}"),
+            ]  # fmt: skip
+            if not decision.allowed:
+                headers.append(("Retry-After", str(retry_after_seconds(decision))))
+            return headers
     items = _items(decision)
-    headers: list[tuple[str, str]] = []
+    headers = []
     if items:
-        policies = ", ".join(f'"{i.name}";q={i.quota};w={i.window}' for i in items)
+        policies = ", ".join(i.policy for i in items)
         limits = ", ".join(
             f'"{i.name}";r={max(0, i.pair.remaining)};t={_effective_window(i.pair)}' for i in items
         )
         headers += [("RateLimit-Policy", policies), ("RateLimit", limits)]
     if legacy and decision.limit is not None:
-        described = quota_and_window(decision.limit)
+        quota_window = quota_and_window(decision.limit)
         binding = next(  # the binding pair: its identifier and its limit
             (
                 p for p in decision.details
@@ -118,9 +160,9 @@ def rate_limit_headers(decision: Decision, *, legacy: bool = False) -> list[tupl
             ),
             None,
         )  # fmt: skip
-        if described is not None and binding is not None:
+        if quota_window is not None and binding is not None:
             headers += [
-                ("X-RateLimit-Limit", str(described[0])),
+                ("X-RateLimit-Limit", str(quota_window[0])),
                 ("X-RateLimit-Remaining", str(max(0, decision.remaining))),
                 ("X-RateLimit-Reset", str(_effective_window(binding))),
             ]
