@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 
 import cluster
-from aiolimit import FixedWindow, Limit, Limiter
+from aiolimit import Concurrency, FixedWindow, Limit, Limiter, RateLimited
 from aiolimit._keys import main_key
 
 pytestmark = pytest.mark.cluster
@@ -204,3 +204,111 @@ async def test_live_migration_with_warm_and_cold_keys_never_over_admits_nor_lose
     # The race was real: calls were admitted and refused while the slots moved.
     for moving in ("migrating", "moving"):
         assert outcomes[moving + " allowed"] > 0 and outcomes[moving + " refused"] > 0, outcomes
+
+
+def _on(
+    nodes: cluster.Cluster, prefix: str, kind: str, node: cluster.Node, count: int
+) -> list[str]:
+    """``count`` identifiers of ``kind`` on slots of their own of ``node``."""
+    found: dict[int, str] = {}
+    for i in range(100_000):
+        identifier = f"{kind}:{i}"
+        slot = _slot(prefix, identifier)
+        if nodes.node_for_slot(slot).port == node.port:
+            found.setdefault(slot, identifier)
+            if len(found) == count:
+                return list(found.values())
+    raise AssertionError(f"no {count} slots of {node!r}")
+
+
+async def test_live_migration_of_leases_across_slots_never_exceeds_max_nor_leaks(
+    nodes: cluster.Cluster,
+) -> None:
+    """Two limiters, 12 tasks: ``async with limiter.limit(ids, timeout=0)`` on a concurrency
+    identifier (``Concurrency(3)`` and an hour's window: a HASH and a lease ZSET, which a
+    MIGRATE of one key at a time leaves on two nodes for a while), alone or with a rate
+    identifier of another moving slot or of the other node, while their slots migrate. A
+    keeper holds one place of each concurrency identifier throughout, so its lease set is
+    never empty (an emptied set is deleted: on a migrating slot every call on that
+    identifier then meets TRYAGAIN, its HASH being there and its set not, until the slot is
+    assigned; no call can run then, right or wrong). Never more than 2 tasks inside per
+    concurrency identifier; afterwards every place is free and every window stores exactly
+    what was admitted."""
+    prefix = "ml"
+    source, target = nodes.primaries()[:2]
+    leased = _on(nodes, prefix, "k", source, 2)
+    rated = _on(nodes, prefix, "h", source, 2)
+    stable = _on(nodes, prefix, "s", target, 1)
+    slots = sorted({_slot(prefix, i) for i in leased + rated})
+    rules = {
+        "k": [Concurrency(3, lease_ttl=60), Limit(100_000, per=3600, precision=60)],
+        "h": [Limit(100_000, per=3600, precision=60)],
+        "s": [Limit(100_000, per=3600, precision=60)],
+    }
+    shapes = [[k] for k in leased] + [[k, o] for k in leased for o in rated + stable]
+    inside: Counter[str] = Counter()
+    peak: Counter[str] = Counter()
+    admitted: Counter[str] = Counter()
+    phase = ["before"]
+    outcomes: Counter[str] = Counter()
+    errors: list[BaseException] = []
+    stop = asyncio.Event()
+    url = f"redis+cluster://{source.host}:{source.port}"
+    limiters = [Limiter(url, rules, prefix=prefix, deadline=5.0) for _ in range(2)]
+    keeper = [await limiters[0].try_acquire(k) for k in leased]
+    try:
+        for limiter in limiters:  # warm: keys and ledgers there
+            for ids in shapes:
+                async with limiter.limit(ids, timeout=0):
+                    admitted.update(ids)
+
+        async def worker(limiter: Limiter, number: int) -> None:
+            rng = random.Random(number)
+            while not stop.is_set():
+                ids = rng.choice(shapes)
+                try:
+                    async with limiter.limit(ids, timeout=0):
+                        outcomes[phase[0] + " allowed"] += 1
+                        admitted.update(ids)
+                        inside[ids[0]] += 1
+                        peak[ids[0]] = max(peak[ids[0]], inside[ids[0]])
+                        try:
+                            await asyncio.sleep(rng.random() / 200)
+                        finally:
+                            inside[ids[0]] -= 1
+                except RateLimited:
+                    outcomes[phase[0] + " refused"] += 1
+                    await asyncio.sleep(rng.random() / 500)
+                except Exception as error:  # collected: the test's verdict
+                    errors.append(error)
+
+        tasks = [asyncio.create_task(worker(limiters[n % 2], n)) for n in range(12)]
+        try:
+            await asyncio.sleep(0.1)
+            await _migrate(source, target, slots, hold=0.3, pause=0.1, phase=phase)
+            await asyncio.sleep(0.2)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+        for decision in keeper:
+            assert decision.lease is not None
+            await decision.lease.release()
+            admitted[decision.identifier] += 1
+        for limiter in limiters:
+            await asyncio.wait_for(limiter._protocol.aclose(), 10)
+    finally:
+        for limiter in limiters:
+            await limiter.aclose()
+    assert errors == [], errors[:3]
+    assert max(peak.values()) <= 2, peak
+    for moving in ("migrating", "moving"):
+        assert outcomes[moving + " allowed"] > 0 and outcomes[moving + " refused"] > 0, outcomes
+    await asyncio.to_thread(nodes.wait_healthy)
+    assert await _keys_on(source, prefix) == []
+    async with Limiter(url, rules, prefix=prefix) as fresh:
+        for identifier in leased:
+            details = (await fresh.peek(identifier)).details
+            assert details[0].remaining == 3, (identifier, details)  # no lease left
+            assert 100_000 - details[1].remaining == admitted[identifier]
+        for identifier in rated + stable:
+            assert 100_000 - (await fresh.peek(identifier)).remaining == admitted[identifier]
