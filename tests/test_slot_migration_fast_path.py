@@ -312,3 +312,53 @@ async def test_live_migration_of_leases_across_slots_never_exceeds_max_nor_leaks
             assert 100_000 - details[1].remaining == admitted[identifier]
         for identifier in rated + stable:
             assert 100_000 - (await fresh.peek(identifier)).remaining == admitted[identifier]
+
+
+async def test_an_idle_concurrency_identifier_is_served_while_its_slot_is_migrating(
+    nodes: cluster.Cluster,
+) -> None:
+    """A slot MIGRATING, none of its keys moved yet. An identifier under ``Concurrency(2)``
+    whose lease is held (its HASH and its lease ZSET both on the source) is served there, as
+    the README promises ("a call whose keys are all still on the migrating node runs
+    whole"). The same identifier once idle (its last lease released: ``drop`` in
+    ``lua/concurrency.lua`` empties the set and Redis deletes it) is not: every call names
+    the HASH, which the source holds, and the lease set, which exists nowhere, and Redis
+    answers a multi-key call on a migrating slot with some keys missing TRYAGAIN, on the
+    source and on the importing node alike, until the slot is assigned. So an idle
+    ``Concurrency`` identifier (its usual state) cannot be acquired, nor even peeked, for
+    the whole of its slot's migration, although nothing of it moved: each decision fails
+    with ``BackendUnavailable`` at its deadline (then ``on_error`` decides).
+
+    Expected: both served. Observed on the code this test was written against: the idle
+    one fails at the deadline (TryAgainError retried until then)."""
+    prefix = "idle"
+    source, target = nodes.primaries()[:2]
+    held_id, idle_id = _on(nodes, prefix, "k", source, 2)
+    slots = [_slot(prefix, held_id), _slot(prefix, idle_id)]
+    url = f"redis+cluster://{source.host}:{source.port}"
+    async with Limiter(url, [Concurrency(2, lease_ttl=60)], prefix=prefix, deadline=1.0) as lim:
+        held = await lim.try_acquire(held_id)
+        idle = await lim.try_acquire(idle_id)
+        assert held.lease is not None and idle.lease is not None
+        await idle.lease.release()  # its set is empty now: deleted
+        for slot in slots:
+            target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+            source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+        try:
+            results = []
+            for identifier in (held_id, idle_id):
+                try:
+                    decision = await lim.try_acquire(identifier)
+                except Exception as error:  # the verdict below
+                    results.append(type(error).__name__)
+                else:
+                    results.append(decision.allowed)
+                    if decision.lease is not None:
+                        await decision.lease.release()
+        finally:
+            for slot in slots:
+                for node in (target, source):
+                    node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
+        assert held.lease is not None
+        await held.lease.release()
+    assert results == [True, True]
