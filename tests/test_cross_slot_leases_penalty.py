@@ -167,3 +167,47 @@ async def test_cross_slot_leases_under_a_racing_crowd_never_exceed_max_nor_leak(
         assert (used_r, used_t) == (admitted[r], admitted[t])
     else:  # (refused requests counted too: exactness is the test above's)
         assert used_t > admitted[t] and used_r >= admitted[r]
+
+
+async def test_penalty_across_slots_counts_every_request_once_on_every_pair(
+    local_cluster: Any, prefix: str
+) -> None:
+    """Penalty mode, no check phase: two limiters send 160 concurrent requests of weight 1-3
+    over three slots (``r`` under ``Limit(20)``, which soon refuses; ``t`` and ``u`` under
+    limits that never refuse), some naming all three, some only ``t`` and ``u``. Every
+    request, admitted or refused, is counted exactly once on ``t`` and on ``u`` (one slot's
+    call counts a refusal on every rate pair, allowing ones included): their stored totals
+    equal the weight of every request sent; ``r`` never admits more than 20."""
+    r, t, u = _apart(local_cluster, prefix, "rtu")
+    rules = {
+        "r": [Limit(20, per=3600, precision=60)],
+        "t": [Limit(100_000, per=3600, precision=60)],
+        "u": [Limit(100_000, per=3600, precision=60), Limit(50_000, per=7200, precision=600)],
+    }
+    url = local_cluster.url
+    sent = admitted_r = refused = 0
+    limiters = [Limiter(url, rules, prefix=prefix, count_refused=True) for _ in range(2)]
+    try:
+
+        async def one(limiter: Limiter, ids: list[str], weight: int) -> None:
+            nonlocal sent, admitted_r, refused
+            decision = await limiter.try_acquire(ids, weight)
+            sent += weight
+            if decision.allowed and r in ids:
+                admitted_r += weight
+            refused += not decision.allowed
+
+        rng = random.Random(3)
+        jobs = [
+            one(limiters[n % 2], [r, t, u] if rng.random() < 0.7 else [t, u], rng.randint(1, 3))
+            for n in range(160)
+        ]
+        await asyncio.wait_for(asyncio.gather(*jobs), 30)
+    finally:
+        for limiter in limiters:
+            await limiter.aclose()
+    assert admitted_r <= 20 and refused > 20
+    async with Limiter(url, rules, prefix=prefix) as fresh:
+        details = (await fresh.peek([t, u])).details
+    assert [100_000 - details[0].remaining, 100_000 - details[1].remaining] == [sent, sent]
+    assert 50_000 - details[2].remaining == sent
