@@ -577,7 +577,24 @@ class Protocol:
             await self._shielded(self._compensate(undo, weight, op, now_us))
             error._aiolimit_undone = op.stamp  # type: ignore[attr-defined]
             raise error
-        if self._penalty or all(allows(raw) for raw in results):  # type: ignore[arg-type]
+        if all(allows(raw) for raw in results):  # type: ignore[arg-type]
+            return replies_decision(calls, results)  # type: ignore[arg-type]
+        if self._penalty:
+            # Every slot committed (no check phase: refusals are counted), and a slot whose
+            # own pairs allowed took the op's ``Concurrency`` leases there. The call is
+            # refused, so no caller holds a ``Lease`` to release them: they go here, as one
+            # call's script takes none for a refused call (the penalty is for rate limits).
+            holding = [
+                plan
+                for call, raw in zip(calls, results, strict=True)
+                if allows(raw)  # type: ignore[arg-type]
+                for plan in call.plans
+                if plan.has_leases
+            ]
+            if holding:
+                # (a release that fails goes on in the background until the store answers)
+                with contextlib.suppress(Exception):
+                    await self.lease_call(RELEASE, holding, weight, op)
             return replies_decision(calls, results)  # type: ignore[arg-type]
         replies = [decode(call, result) for call, result in zip(calls, results, strict=True)]  # type: ignore[arg-type]
         # Another client won the race between the phases: undo the slots that charged (the

@@ -83,7 +83,7 @@ async def test_a_refusal_counted_across_slots_takes_no_lease(
         # ... and no lease held: both places free.
         assert seen[(c, "Concurrency")] == 2, seen
         # The same requests on one identifier (one slot) hold no lease either.
-        single = {"s": [Concurrency(2, lease_ttl=60), Limit(100, per=3600), Limit(1, per=3600)]}
+        single = {"s": [Concurrency(2, lease_ttl=60), Limit(100, per=3600), Limit(1, per=60)]}
     async with Limiter(
         local_cluster.url, single, prefix=prefix + "s", count_refused=True
     ) as one_slot:
