@@ -20,18 +20,22 @@ FACTORIES.lease = function()
     return members
   end
 
-  -- Drops the op's leases; a set left empty is marked so (see prelude.lua's mark_emptied):
-  -- the reply's check then reads it as empty.
+  -- Drops the op's leases. The set is never emptied: while its slot is migrating, Redis
+  -- answers a call naming one key it holds and one it holds nowhere TRYAGAIN (on both
+  -- nodes), so an idle identifier whose lease set was deleted with its main key still there
+  -- could not be decided until the slot was assigned. A drop that may take the last
+  -- members first adds PLACEHOLDER, scored -inf: never live, never an op's member, and
+  -- trimmed as an expired lease once a charge has added its own. The set expires with its
+  -- main key (decide.lua's flush gives it the main key's TTL on every write).
+  local PLACEHOLDER = '~'
   local function drop(pair, op, weight)
     local members = lease_members(op, weight)
     local size = redis.call('ZCOUNT', pair.aux, '-inf', '+inf')
-    local removed = 0
+    if size == 0 then return end  -- (no set: nothing to drop)
+    if size <= #members then redis.call('ZADD', pair.aux, '-inf', PLACEHOLDER) end
     for i = 1, #members, BATCH do
-      if removed >= size then break end  -- (emptied: not touched again)
-      removed = removed + redis.call('ZREM', pair.aux,
-                                     unpack(members, i, math.min(i + BATCH - 1, #members)))
+      redis.call('ZREM', pair.aux, unpack(members, i, math.min(i + BATCH - 1, #members)))
     end
-    if removed >= size then mark_emptied(pair.aux) end
   end
 
   local leases = {

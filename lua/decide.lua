@@ -404,6 +404,22 @@ local function op_prune(s)
   end
 end
 
+-- A lease set expires with its main key: given the TTL the main key has after this write
+-- (`ttl`, or its PTTL when the write did not set it). Two keys of one identifier with TTLs
+-- of their own would leave the main key alone for a while, and while its slot is migrating
+-- Redis answers a call naming one key present and one absent TRYAGAIN until the slot is
+-- assigned (see concurrency.lua's drop).
+local call_leases = false  -- the call has a concurrency pair
+local function mirror_leases(s, ttl)
+  for i = 1, npairs do
+    local pair = PAIRS[i]
+    if pair.code == 'lease' and pair.main == s.key and pair.aux then
+      if not ttl then ttl = redis.call('PTTL', s.key) end
+      if ttl > 0 then redis.call('PEXPIRE', pair.aux, ttl) end
+    end
+  end
+end
+
 -- Writes what the call staged: one HSET, one HDEL and (about once a second) one PEXPIRE per
 -- main key.
 local HSET_ARGS = {}  -- HSET's arguments, reused: only the first n are sent
@@ -445,6 +461,7 @@ local function flush()
         call_batched('HDEL', s.key, nil, hdel)
       end
       if ttl then redis.call('PEXPIRE', s.key, ttl) end
+      if call_leases then mirror_leases(s, ttl) end
       -- Written: a later call of the same batch goes on from here, as if it had loaded it.
       s.t, s.existed, s.dirty, s.ttl_ms = t, true, false, 0
       s.set, s.del = nil, nil
@@ -661,6 +678,7 @@ local function decide(KEYS, ARGV, batch)
   end
   local nk = #KEYS
   local fast = nblocks > 0 and nblocks <= FAST_BLOCKS
+  call_leases = false
   for b = 1, nblocks do
     local block, err = parse_block(ARGV[7 + b])
     if not block then return redis.error_reply(err) end
@@ -684,6 +702,7 @@ local function decide(KEYS, ARGV, batch)
       pair.amount, pair.period, pair.param = spec.amount, spec.period, spec.param
       pair.period_s, pair.param_s = spec.period_s, spec.param_s
       pair.s = nil
+      if spec.code == 'lease' then call_leases = true end
     end
     key_base = key_base + block.nkeys
     FAST_ENDS[b] = npairs

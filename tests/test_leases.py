@@ -27,12 +27,16 @@ async def in_flight(limiter: Limiter, identifier: str = "u:1") -> int:
 
 
 async def stored(limiter: Limiter, url: str, prefix: str, identifier: str = "u:1") -> int:
-    """ZCARD of the identifier's lease set: leases stored, expired or not."""
+    """The leases stored in the identifier's lease set, expired or not: its members but the
+    placeholder a release leaves rather than empty it ("~", scored -inf)."""
     key = f"{prefix}:{{{identifier}}}:lease"
     if url == "memory://":
-        return int(limiter.store.engine.execute_command("ZCARD", key))  # type: ignore[attr-defined]
-    async with redis_asyncio.Redis.from_url(url) as raw:
-        return int(await raw.zcard(key))
+        engine = limiter.store.engine  # type: ignore[attr-defined]
+        members = engine.execute_command("ZRANGE", key, 0, -1)
+    else:
+        async with redis_asyncio.Redis.from_url(url) as raw:
+            members = await raw.zrange(key, 0, -1)
+    return sum(1 for member in members if member != b"~")
 
 
 def open_limiter(url: str, prefix: str, clock: Any, most: int = 25, ttl: float = 30) -> Limiter:

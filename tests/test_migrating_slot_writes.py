@@ -379,7 +379,9 @@ async def test_leases_and_logs_under_a_slow_live_migration_lose_nothing(
             logged = await client.zrange(f"{prefix}:{{{identifier}}}:log:3600000000", 0, -1)
             assert admitted[identifier] > 20
             assert logged == [], identifier
-            assert await client.zcard(f"{prefix}:{{{identifier}}}:lease") == 0
+            # (a release leaves the placeholder "~" rather than empty the set)
+            leases = await client.zrange(f"{prefix}:{{{identifier}}}:lease", 0, -1)
+            assert leases in ([], [b"~"]), leases
     finally:
         await client.aclose()
 

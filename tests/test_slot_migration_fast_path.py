@@ -314,11 +314,6 @@ async def test_live_migration_of_leases_across_slots_never_exceeds_max_nor_leaks
             assert 100_000 - (await fresh.peek(identifier)).remaining == admitted[identifier]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (README, migrations): an emptied lease set is deleted while the main key "
-    "lives, and Redis answers TRYAGAIN to a call naming one present and one absent key",
-)
 async def test_an_idle_concurrency_identifier_is_served_while_its_slot_is_migrating(
     nodes: cluster.Cluster,
 ) -> None:
@@ -367,3 +362,43 @@ async def test_an_idle_concurrency_identifier_is_served_while_its_slot_is_migrat
         assert held.lease is not None
         await held.lease.release()
     assert results == [True, True]
+
+
+async def test_a_concurrency_identifier_whose_holder_died_is_served_while_its_slot_migrates(
+    nodes: cluster.Cluster,
+) -> None:
+    """The other way an identifier goes idle: its holder dies and its lease expires. Its
+    lease set had a TTL of its own (the lease's), its main key a longer one (an hour's window
+    on the same identifier): past the lease, only the main key was left, and a migration of
+    its slot answered TRYAGAIN to every call on it. The two keys now expire together, and
+    what the lease set held stays correct: the expired lease is no place taken."""
+    prefix = "died"
+    source, target = nodes.primaries()[:2]
+    (identifier,) = _on(nodes, prefix, "k", source, 1)
+    slot = _slot(prefix, identifier)
+    url = f"redis+cluster://{source.host}:{source.port}"
+    rules = [Concurrency(2, lease_ttl=1), Limit(100, per=3600, precision=60)]
+    async with Limiter(url, rules, prefix=prefix, deadline=1.0) as lim:
+        gone = await lim.try_acquire(identifier)  # (its holder never releases it)
+        assert gone.lease is not None
+        client = Redis(host=source.host, port=source.port)
+        try:
+            lease_key = main_key(prefix, identifier) + ":lease"
+            ttls = await client.pttl(main_key(prefix, identifier)), await client.pttl(lease_key)
+            assert abs(ttls[0] - ttls[1]) <= 2 and ttls[0] > 3_000_000, ttls  # (the hour's)
+            await asyncio.sleep(1.5)  # the lease has expired: its holder is gone
+            assert await client.exists(lease_key) == 1
+        finally:
+            await client.aclose()
+        target.execute("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+        source.execute("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+        try:
+            decisions = [await lim.try_acquire(identifier) for _ in range(3)]
+        finally:
+            for node in (target, source):
+                node.execute("CLUSTER", "SETSLOT", slot, "STABLE")
+        assert [d.allowed for d in decisions] == [True, True, False]  # two places, both free
+        for decision in decisions[:2]:
+            assert decision.lease is not None
+            await decision.lease.release()
+        assert (await lim.peek(identifier)).details[0].remaining == 2
