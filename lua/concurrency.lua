@@ -102,6 +102,10 @@ FACTORIES.lease = function()
       local want = math.ceil(pair.period / 1000) + 1 + CALL.slack
       if redis.call('PTTL', pair.aux) < want then redis.call('PEXPIRE', pair.aux, want) end
       want_ttl(s, math.ceil(pair.period / 1000) + 1)
+      -- The main key is written too (its "t"), so flush extends its TTL with the set's and
+      -- mirror_leases gives the set that TTL: a set outliving its main key is one present
+      -- and one absent key, TRYAGAIN while the slot migrates (see drop).
+      s.dirty = true
     end,
   }
 
