@@ -203,3 +203,28 @@ async def test_a_crowd_of_refused_weighted_calls_never_exceeds_nor_leaks(
     assert peak <= 3, peak  # (the keeper holds the fourth)
     assert places == 1, places
     assert (rate_c, rate_t) == (sent, sent - 1)
+
+
+async def test_a_refusal_reports_the_places_its_release_gave_back(nodes: cluster.Cluster) -> None:
+    """Penalty mode: a call on ``[c, r]`` refused by ``r`` (on another slot) took a lease on
+    ``c`` and ``_two_phase`` released it before returning; the refusal is built from the raw
+    replies (``replies_decision``), where ``c``'s slot reported its ``Concurrency`` pair after
+    the charge: one place fewer than it has. One slot's call (the same limits on one
+    identifier) reports an allowing pair of a refused call as it is, and ``peek`` right
+    after says both places are free.
+
+    Expected: the refusal's ``Concurrency`` pair has ``remaining`` 2, as ``peek`` does.
+    Observed: 1 (the released lease still counted)."""
+    prefix = "stale"
+    node_a, node_b = nodes.primaries()[:2]
+    c, r = _on(nodes, prefix, "c", node_a), _on(nodes, prefix, "r", node_b)
+    async with Limiter(nodes.url, _rules(), prefix=prefix, count_refused=True) as lim:
+        first = await lim.try_acquire([c, r])
+        assert first.allowed and first.lease is not None
+        await first.lease.release()
+        refused = await lim.try_acquire([c, r])
+        assert not refused.allowed and refused.lease is None
+        (reported,) = [p for p in refused.details if isinstance(p.limit, Concurrency)]
+        (now,) = [p for p in (await lim.peek(c)).details if isinstance(p.limit, Concurrency)]
+    assert now.remaining == 2
+    assert reported.remaining == now.remaining
