@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import redis.asyncio as redis_asyncio
 
-from aiolimit import Concurrency, Limit, Limiter
+from aiolimit import Concurrency, Limit, Limiter, RateLimited
 from aiolimit._calls import RELEASE, RENEW, UNDO
 from aiolimit._keys import main_key
 
@@ -271,3 +271,32 @@ async def test_a_call_without_the_lease_pair_does_not_outlive_the_lease_set(
         await keys.assert_together()
         assert (await window.try_acquire("u:1")).allowed
         await keys.assert_together()
+
+
+async def test_batched_acquires_and_releases_leave_the_keys_together(
+    url: str, prefix: str, keys_of: Any
+) -> None:
+    """60 concurrent holders on one identifier (their acquires and releases batched into
+    shared script runs, one key written several times a run): never more than 5 inside,
+    and afterwards the set holds only the placeholder, with its main key's TTL."""
+    limits = [Concurrency(5, lease_ttl=30), Limit(10_000, per=60)]
+    inside = peak = 0
+    async with Limiter(url, limits, prefix=prefix) as lim:
+        keys = keys_of(lim)
+
+        async def one(n: int) -> None:
+            nonlocal inside, peak
+            try:
+                async with lim.limit("u:1", 1 + n % 2, timeout=0):
+                    inside += 1 + n % 2
+                    peak = max(peak, inside)
+                    await asyncio.sleep(0.001 * (n % 3))
+                    inside -= 1 + n % 2
+            except RateLimited:
+                pass
+
+        await asyncio.wait_for(asyncio.gather(*(one(n) for n in range(60))), 20)
+        assert peak <= 5
+        assert await keys.members() == [(PLACEHOLDER, -math.inf)]
+        await keys.assert_together()
+        assert (await lim.peek("u:1")).details[0].remaining == 5
