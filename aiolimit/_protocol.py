@@ -97,7 +97,7 @@ from aiolimit._calls import (
     reply_decision,
 )
 from aiolimit._clock import Clock, ServerClock
-from aiolimit._deadline import DECISION_DEADLINE
+from aiolimit._deadline import DECISION_DEADLINE, current_deadline
 from aiolimit._decision import Charge, Decision
 from aiolimit._errors import BackendUnavailable, ConfigurationError
 from aiolimit._lease import Lease
@@ -135,6 +135,9 @@ MAX_IN_FLIGHT = 128
 
 #: Seconds one attempt of an undo (or a lease release) may take once its caller is gone.
 UNDO_BUDGET = 5.0
+#: Seconds before the decision's deadline at which a refused call stops waiting for the release
+#: of the leases it took (at most a tenth of the time left; see ``_release_refused``).
+RELEASE_MARGIN = 0.05
 #: Seconds an undo is retried while the store does not answer. A stopped or partitioned
 #: server that comes back within it ends up exactly as if the failed decision never happened.
 UNDO_PATIENCE = 300.0
@@ -584,6 +587,7 @@ class Protocol:
             # own pairs allowed took the op's ``Concurrency`` leases there. The call is
             # refused, so no caller holds a ``Lease`` to release them: they go here, as one
             # call's script takes none for a refused call (the penalty is for rate limits).
+            refusal = replies_decision(calls, results)  # type: ignore[arg-type]
             holding = [
                 plan
                 for call, raw in zip(calls, results, strict=True)
@@ -592,10 +596,8 @@ class Protocol:
                 if plan.has_leases
             ]
             if holding:
-                # (a release that fails goes on in the background until the store answers)
-                with contextlib.suppress(Exception):
-                    await self.lease_call(RELEASE, holding, weight, op)
-            return replies_decision(calls, results)  # type: ignore[arg-type]
+                return await self._release_refused(refusal, holding, weight, op)
+            return refusal
         replies = [decode(call, result) for call, result in zip(calls, results, strict=True)]  # type: ignore[arg-type]
         # Another client won the race between the phases: undo the slots that charged (the
         # others charged nothing). If that undo fails, ``acquire`` undoes them all.
@@ -603,6 +605,38 @@ class Protocol:
         undo = [call for call, reply in zip(calls, replies, strict=True) if reply.allowed]
         await self._shielded(self._compensate(undo, weight, op, now_us))
         return _refusal(replies, weight)
+
+    async def _release_refused(
+        self, refusal: Decision, holding: Sequence[IdentifierPlan], weight: int, op: Op
+    ) -> Decision:
+        """Releases the leases a refused call took across slots under ``count_refused``
+        (``_two_phase``), and returns the refusal with its ``Concurrency`` pairs as the
+        release left them. The store has refused: nothing that happens to the release turns
+        that into an error (nor into the failure policy's answer). It is awaited until just
+        before the decision's deadline at most; one not answered by then, or failed, goes on
+        in the background until the store answers (``lease_call``), and the refusal reports
+        those pairs as the commit did (the lease counted)."""
+        release = self._spawn(self.lease_call(RELEASE, holding, weight, op))
+        deadline = current_deadline()
+        left = UNDO_BUDGET
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            left -= min(RELEASE_MARGIN, max(left, 0.0) / 10)
+        try:
+            released = await asyncio.wait_for(asyncio.shield(release), max(left, 0.0))
+        except Exception:  # (out of time, or failed: lease_call goes on with it)
+            return refusal
+        after = {
+            (pair.identifier, pair.limit): pair
+            for pair in released.details
+            if pair.limit.wire[0] == "lease"
+        }
+        if not after:
+            return refusal
+        details = tuple(after.get((p.identifier, p.limit), p) for p in refusal.details)
+        merged = Decision.from_pairs(details)
+        # (the slots' all-or-nothing verdict stands, as in ``decision``: a refusal)
+        return merged if not merged.allowed else replace(merged, allowed=False)
 
     # --- undo, release, renew ---------------------------------------------------------------
 
