@@ -101,6 +101,11 @@ async def test_a_renewed_lease_whose_main_key_expired_is_served_while_its_slot_m
     assert (present, verdict) == ([1, 1], True)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap (README, migrations): a limiter whose rules lack the Concurrency "
+    "limit extends the shared main key without its lease set",
+)
 async def test_a_lease_set_outlived_by_its_main_key_is_served_while_its_slot_migrates(
     nodes: cluster.Cluster,
 ) -> None:
