@@ -404,18 +404,22 @@ local function op_prune(s)
   end
 end
 
--- A lease set expires with its main key: given the TTL the main key has after this write
--- (`ttl`, or its PTTL when the write did not set it). Two keys of one identifier with TTLs
--- of their own would leave the main key alone for a while, and while its slot is migrating
--- Redis answers a call naming one key present and one absent TRYAGAIN until the slot is
--- assigned (see concurrency.lua's drop).
+-- A lease set expires with its main key: its TTL is raised to the one the main key has after
+-- this write (`ttl`, or its PTTL when the write did not set it). Two keys of one identifier
+-- with TTLs of their own would leave the main key alone for a while, and while its slot is
+-- migrating Redis answers a call naming one key present and one absent TRYAGAIN until the
+-- slot is assigned (see concurrency.lua's drop). Never lowered: with a client clock behind
+-- the server's, the main key's PTTL can be shorter than a live lease needs (the TTL slack is
+-- for that), and the set must outlive its leases.
 local call_leases = false  -- the call has a concurrency pair
 local function mirror_leases(s, ttl)
   for i = 1, npairs do
     local pair = PAIRS[i]
     if pair.code == 'lease' and pair.main == s.key and pair.aux then
       if not ttl then ttl = redis.call('PTTL', s.key) end
-      if ttl > 0 then redis.call('PEXPIRE', pair.aux, ttl) end
+      if ttl > 0 and ttl > redis.call('PTTL', pair.aux) then
+        redis.call('PEXPIRE', pair.aux, ttl)
+      end
     end
   end
 end
