@@ -109,3 +109,16 @@ def test_failover_bench_compares_stored_charges_with_admissions() -> None:
     assert result["doomed_over_charged"] <= 0, result
     assert result["healthy_errors"] == 0 and result["doomed_errors"] == 0, result
     assert not math.isnan(result["stall_s"]) and result["stall_s"] >= 0.5, result
+
+
+def test_client_ab_compares_two_trees(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.client_ab runs each tree in a child process of its own and prints their ratio
+    (here this checkout against itself, a few decisions)."""
+    from bench import client_ab
+
+    here = str(Path(__file__).resolve().parent.parent)
+    argv = ["--tree", here, "--tree", here, "--shape", "1x1", "--rounds", "1"]
+    argv += ["--concurrency", "2", "--count", "5", "--redis-url", redis_url]
+    assert client_ab.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("cpu µs/dec best") == 2 and "second/first (median cpu):" in out
