@@ -108,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     count = args.count or (150 if args.shape == "cross-slot" else 400)
     if args.child:
+        # Run as a file, this directory leads sys.path, where bench/bench.py would pass for the
+        # bench package: the package is found through PYTHONPATH instead.
+        here = Path(__file__).resolve().parent
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
         print(json.dumps(asyncio.run(_child(args.child, args.shape, args.concurrency, count))))
         return 0
     trees = [Path(tree).resolve() for tree in args.tree]
