@@ -23,6 +23,9 @@ Scenarios, each on fresh identifiers, times from the server's TIME:
 - ``fleet of 64``: single acquires on one identifier from 64 clients in turn (64 limiter
   processes sharing a busy identifier: its hash holds 64 op ledgers), to compare with
   ``acquire+op`` (one client);
+- ``lease take+release``: one identifier under ``Concurrency(1000)``, each op acquired (a
+  lease taken) then released by the next call, server µs per call (the lease set's ZSET
+  commands and its TTL kept with the main key's);
 - ``floor``: what any script of this kind pays, with no logic at all: one FCALL that reads
   TIME, HGETALLs a small hash, HSETs 3 fields of it and returns 7 integers.
 
@@ -41,13 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import cluster
-from aiolimit import Limit, Limiter
+from aiolimit import Concurrency, Limit, Limiter
 from aiolimit._calls import SCRIPT_FILES, Call, Mode, encode, lua_dir
 from aiolimit._stores.resp import command_head, pack_many
 
 SCENARIOS = (
     "check", "acquire+op", "acquire+16 open", "2x3+op", "many 1x1", "many 1x1 spread",
-    "many 1x1 spread, no op", "many 2x3", "fleet of 64",
+    "many 1x1 spread, no op", "many 2x3", "fleet of 64", "lease take+release",
 )  # fmt: skip
 FLOOR = """#!lua name=cost_floor
 redis.register_function('cost_floor', function(keys, args)
@@ -63,6 +66,7 @@ THREE = [
     Limit(10**10, per=60, precision=6),
     Limit(10**11, per=3600, precision=360),
 ]
+LEASE = [Concurrency(1000, lease_ttl=60)]
 BATCH = 16
 
 
@@ -104,6 +108,10 @@ def program(scenario: str, run: int, count: int) -> list[Call]:
         elif scenario == "fleet of 64":  # client c<k> sends its (i // 64)-th op
             op = f"c{run}x{i % 64}:{i // 64 + 1}:"
             calls.append(encode(Mode.ACQUIRE, one._rules.plans(f"ip:{who}"), 1, None, 0, op))
+        elif scenario == "lease take+release":  # op k taken by call 2k-1, released by 2k
+            plans = Limiter("memory://", LEASE, prefix="cost")._rules.plans(f"ip:{who}")
+            mode = Mode.ACQUIRE if i % 2 else Mode.RELEASE
+            calls.append(encode(mode, plans, 1, None, 0, f"c{run}:{(i + 1) // 2}:"))
         elif scenario == "acquire+16 open":
             opened = ",".join(str(stamp) for stamp in range(max(1, i - 16), i))
             plans = one._rules.plans(f"ip:{who}")
