@@ -397,3 +397,62 @@ async def test_a_release_to_a_killed_node_still_returns_the_refusal() -> None:
         for deadline, took, closed_in in verdicts:
             assert took < (deadline or 5.0) + 0.2, verdicts
             assert closed_in < 6.5, verdicts
+
+
+async def test_closing_the_limiter_as_a_refusal_starts_its_release_does_not_cancel_the_caller(
+    nodes: cluster.Cluster,
+) -> None:
+    """Shutdown while traffic is in flight. A penalty call on ``[c, r]`` (``c`` on node A)
+    is refused; just as ``_release_refused`` begins, another holder's release (``x``, on
+    node B) is running in the background and the limiter's ``aclose()`` starts: it waits for
+    the background tasks it sees (that release), then cancels whatever background task is
+    left. Node A freezes, so the refused call's own release, spawned after ``aclose``
+    looked, is still running then and is cancelled. The caller, which nobody cancelled,
+    waits for that task (``wait_for(shield(release))``): the shield's outer future is
+    cancelled with it, ``wait_for`` returns ``fut.result()`` and raises CancelledError, which
+    ``_release_refused`` does not catch (``except Exception``). ``acquire`` then spawns an
+    undo of the op on a closed limiter, after ``aclose`` has stopped waiting for tasks.
+
+    Expected: the refusal (the store decided; ``aclose`` must not cancel a caller). Observed:
+    CancelledError raised in a task that was never cancelled.
+    """
+    prefix = "closerace"
+    node_a, node_b = nodes.primaries()[:2]
+    c, r = _on(nodes, prefix, "c", node_a), _on(nodes, prefix, "r", node_b)
+    x = _on(nodes, prefix, "c", node_b)
+    rules = _rules(lease_ttl=2)
+    lim = Limiter(nodes.url, rules, prefix=prefix, count_refused=True, deadline=None)
+    await _spend(lim, r, 2)
+    holder = await lim.try_acquire(x)
+    assert holder.lease is not None
+    protocol = lim._protocol
+    original = protocol._release_refused
+    background: list[asyncio.Task[Any]] = []
+
+    async def closing_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        node_a.pause()
+        assert holder.lease is not None
+        background.append(asyncio.create_task(holder.lease.release()))
+        await asyncio.sleep(0)  # (its release is under way, in the limiter's tasks)
+        background.append(asyncio.create_task(lim.aclose()))
+        await asyncio.sleep(0)  # (aclose has looked at the tasks, and waits for them)
+        return await original(*args, **kwargs)
+
+    protocol._release_refused = closing_meanwhile  # type: ignore[method-assign]
+    outcome: Any
+    try:
+        try:
+            outcome = await asyncio.wait_for(lim.try_acquire([c, r]), 10)
+        except asyncio.CancelledError as error:
+            outcome = error
+        await asyncio.wait_for(asyncio.gather(*background, return_exceptions=True), 15)
+    finally:
+        node_a.resume()
+    async with Limiter(nodes.url, rules, prefix=prefix) as fresh:
+        for _ in range(40):  # (released when A answers, else expired within 2 s)
+            if await _held(fresh, c) == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert await _held(fresh, c) == 0
+    assert isinstance(outcome, Decision), repr(outcome)
+    _assert_consistent_refusal(outcome, r)
