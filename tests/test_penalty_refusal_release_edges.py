@@ -341,6 +341,9 @@ async def test_a_short_loop_stall_at_the_release_deadline_turns_the_refusal_into
             return await release(*args, **kwargs)
 
         protocol.lease_call = freezing  # type: ignore[method-assign]
+        # (the policy's deadline timer is then armed for this decision itself, not re-armed
+        # from an earlier decision's: both timers come due in the loop's first iteration)
+        await asyncio.sleep(1.1)
         try:
             started = time.monotonic()
             decision = await lim.try_acquire([c, r])
