@@ -622,10 +622,13 @@ class Protocol:
         if deadline is not None:
             left = deadline - time.monotonic()
             left -= min(RELEASE_MARGIN, max(left, 0.0) / 10)
-        try:
-            released = await asyncio.wait_for(asyncio.shield(release), max(left, 0.0))
-        except Exception:  # (out of time, or failed: lease_call goes on with it)
-            return refusal
+        # ``asyncio.wait`` neither cancels the release when the time is up nor raises what
+        # the release met: cancelled (``aclose`` stops background work), failed or out of
+        # time, the caller still gets its refusal (a cancellation of the caller propagates).
+        await asyncio.wait((release,), timeout=max(left, 0.0))
+        if not release.done() or release.cancelled() or release.exception() is not None:
+            return refusal  # (out of time, or failed: lease_call goes on with it)
+        released = release.result()
         after = {
             (pair.identifier, pair.limit): pair
             for pair in released.details

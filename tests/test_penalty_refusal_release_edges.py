@@ -312,12 +312,13 @@ async def test_a_short_loop_stall_at_the_release_deadline_turns_the_refusal_into
     ``_release_refused`` holds the refusal back until ``deadline - RELEASE_MARGIN`` (50 ms
     before it). Another coroutine on the loop then runs 100 ms of blocking work, from 70 ms
     before the deadline to 30 ms past it (a stall a tenth of the deadline, well within what a
-    busy event loop does). When the loop comes back, ``wait_for``'s timer and the decision's
-    deadline (the policy's ``_DeadlineWheel``) are due in one iteration: ``wait_for`` releases
-    its waiter, the wheel cancels the task, ``wait_for`` (Python 3.11: it re-raises a
-    cancellation when its future is not done) raises CancelledError out of
-    ``_release_refused`` (which catches ``Exception`` only), ``acquire`` spawns an undo of
-    the op, and the scope turns it into ``DeadlineExceeded``: the failure policy admits.
+    busy event loop does). When the loop comes back, the release wait's timer and the
+    decision's deadline (the policy's ``_DeadlineWheel``, its timer armed for this decision)
+    are due in one iteration: the wait ends, the wheel cancels the task before it resumes,
+    and the CancelledError leaves ``_release_refused`` (nothing there may swallow a
+    cancellation); ``acquire`` spawns an undo of the op, and the scope turns it into
+    ``DeadlineExceeded``: the failure policy admits. (With the wheel re-armed from an earlier
+    decision's entry its timer fires an iteration later, and the refusal gets through.)
 
     Expected: the refusal the store gave 950 ms earlier. Observed: a degraded admission of a
     request the store refused (with ``on_error="raise"``: BackendUnavailable).
