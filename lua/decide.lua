@@ -404,21 +404,35 @@ local function op_prune(s)
   end
 end
 
--- A lease set expires with its main key: its TTL is raised to the one the main key has after
--- this write (`ttl`, or its PTTL when the write did not set it). Two keys of one identifier
--- with TTLs of their own would leave the main key alone for a while, and while its slot is
--- migrating Redis answers a call naming one key present and one absent TRYAGAIN until the
--- slot is assigned (see concurrency.lua's drop). Never lowered: with a client clock behind
--- the server's, the main key's PTTL can be shorter than a live lease needs (the TTL slack is
--- for that), and the set must outlive its leases.
+-- A lease set expires with its main key: its expiry is raised to the main key's after this
+-- write (its own TTL is only ever raised). Two keys of one identifier with TTLs of their own
+-- would leave one alone for a while, and while its slot is migrating Redis answers a call
+-- naming one key present and one absent TRYAGAIN until the slot is assigned (see
+-- concurrency.lua's drop). Never lowered: with a client clock behind the server's, the main
+-- key's TTL can fall short of a live lease (the TTL slack is for that), and the set must
+-- outlive its leases. Where the server has PEXPIRETIME (Redis 7+, Valkey) the absolute
+-- expiry is copied: time runs on within a script, and a relative TTL read then set a
+-- millisecond later would leave the set a millisecond longer than its main key.
 local call_leases = false  -- the call has a concurrency pair
+local expiretime = nil  -- the server has PEXPIRETIME (nil: not asked yet)
 local function mirror_leases(s, ttl)
   for i = 1, npairs do
     local pair = PAIRS[i]
     if pair.code == 'lease' and pair.main == s.key and pair.aux then
-      if not ttl then ttl = redis.call('PTTL', s.key) end
-      if ttl > 0 and ttl > redis.call('PTTL', pair.aux) then
-        redis.call('PEXPIRE', pair.aux, ttl)
+      if expiretime ~= false then
+        local at = redis.pcall('PEXPIRETIME', s.key)
+        expiretime = type(at) == 'number'
+        if expiretime then
+          if at > 0 and at > redis.call('PEXPIRETIME', pair.aux) then
+            redis.call('PEXPIREAT', pair.aux, at)
+          end
+        end
+      end
+      if not expiretime then
+        if not ttl then ttl = redis.call('PTTL', s.key) end
+        if ttl > 0 and ttl > redis.call('PTTL', pair.aux) then
+          redis.call('PEXPIRE', pair.aux, ttl)
+        end
       end
     end
   end
