@@ -135,8 +135,12 @@ MAX_IN_FLIGHT = 128
 
 #: Seconds one attempt of an undo (or a lease release) may take once its caller is gone.
 UNDO_BUDGET = 5.0
-#: Seconds before the decision's deadline at which a refused call stops waiting for the release
-#: of the leases it took (at most a tenth of the time left; see ``_release_refused``).
+#: Seconds a refused call waits at most for the release of the leases it took across slots
+#: (``_release_refused``), and before the decision's deadline at the latest (at most a tenth of
+#: the time left). A release answers in a round trip; one that does not is left to finish in
+#: the background: a refusal already made is not held near the deadline, where a stalled
+#: event loop would let the deadline cut it (and the failure policy answer instead).
+RELEASE_WAIT = 0.1
 RELEASE_MARGIN = 0.05
 #: Seconds an undo is retried while the store does not answer. A stopped or partitioned
 #: server that comes back within it ends up exactly as if the failed decision never happened.
@@ -612,16 +616,17 @@ class Protocol:
         """Releases the leases a refused call took across slots under ``count_refused``
         (``_two_phase``), and returns the refusal with its ``Concurrency`` pairs as the
         release left them. The store has refused: nothing that happens to the release turns
-        that into an error (nor into the failure policy's answer). It is awaited until just
-        before the decision's deadline at most; one not answered by then, or failed, goes on
-        in the background until the store answers (``lease_call``), and the refusal reports
-        those pairs as the commit did (the lease counted)."""
+        that into an error (nor into the failure policy's answer). It is awaited
+        ``RELEASE_WAIT`` at most, and until just before the decision's deadline at the latest;
+        one not answered by then, or failed, goes on in the background until the store answers
+        (``lease_call``), and the refusal reports those pairs as the commit did (the lease
+        counted)."""
         release = self._spawn(self.lease_call(RELEASE, holding, weight, op))
         deadline = current_deadline()
-        left = UNDO_BUDGET
+        left = RELEASE_WAIT
         if deadline is not None:
-            left = deadline - time.monotonic()
-            left -= min(RELEASE_MARGIN, max(left, 0.0) / 10)
+            until = deadline - time.monotonic()
+            left = min(left, until - min(RELEASE_MARGIN, max(until, 0.0) / 10))
         # ``asyncio.wait`` neither cancels the release when the time is up nor raises what
         # the release met: cancelled (``aclose`` stops background work), failed or out of
         # time, the caller still gets its refusal (a cancellation of the caller propagates).
