@@ -26,7 +26,8 @@ FACTORIES.lease = function()
   -- could not be decided until the slot was assigned. A drop that may take the last
   -- members first adds PLACEHOLDER, scored -inf: never live, never an op's member, and
   -- trimmed as an expired lease once a charge has added its own. The set expires with its
-  -- main key (decide.lua's flush gives it the main key's TTL on every write).
+  -- main key (decide.lua's mirror_leases raises its expiry to the main key's on every write
+  -- of the main key).
   local PLACEHOLDER = '~'
   local function drop(pair, op, weight)
     local members = lease_members(op, weight)
