@@ -88,7 +88,7 @@ def test_script_cost_measures_each_scenario_of_two_libraries(
     lines = capsys.readouterr().out.splitlines()[1:]
     assert [line.split()[0] for line in lines] == [
         "check", "acquire+op", "acquire+16", "2x3+op", "many", "many", "many", "many", "fleet",
-        "floor",
+        "lease", "floor",
     ]  # fmt: skip
     assert "best" in lines[-1]
     for line in lines[:-1]:

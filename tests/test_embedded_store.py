@@ -743,3 +743,37 @@ def test_random_command_sequences_match_redis(
 ) -> None:
     """Random sequences over a small alphabet give Redis' replies and leave Redis' state."""
     run_commands(real, store, f"{prefix}:{next(_EXAMPLE)}", commands)
+
+
+EXPIRE_TIMES = """
+local a, b = KEYS[1], KEYS[2]
+local out = {redis.call('PEXPIRETIME', a)}
+redis.call('SET', a, 'v')
+out[#out + 1] = redis.call('PEXPIRETIME', a)
+redis.call('PEXPIRE', a, 5000)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local at = redis.call('PEXPIRETIME', a)
+out[#out + 1] = math.abs(at - now - 5000) <= 2 and 'near' or (at - now)
+out[#out + 1] = redis.call('PEXPIREAT', b, at)
+redis.call('HSET', b, 'f', 'v')
+out[#out + 1] = redis.call('PEXPIREAT', b, at)
+out[#out + 1] = redis.call('PEXPIRETIME', b) == at and 'same' or 'differs'
+out[#out + 1] = redis.call('PTTL', b) == redis.call('PTTL', a) and 'same' or 'differs'
+out[#out + 1] = redis.call('PEXPIREAT', a, 1)
+out[#out + 1] = redis.call('EXISTS', a)
+out[#out + 1] = redis.pcall('PEXPIREAT', b, 'soon')
+out[#out + 1] = redis.pcall('PEXPIREAT', b, at, 'FOO')
+return out
+"""
+
+
+def test_expire_times_round_trip_like_redis(
+    real: redis.Redis, store: EmbeddedStore, prefix: str
+) -> None:
+    """PEXPIRETIME and PEXPIREAT (mirror_leases copies a main key's expiry to its lease set
+    with them): -2 and -1 for a missing key and one without a TTL, a Unix time in ms, the same
+    time read back from a key given it, a time in the past deleting the key, bad input."""
+    keys = [f"{prefix}:a", f"{prefix}:b"]
+    _, reply = assert_same(real, store, EXPIRE_TIMES, keys, [])
+    assert reply[:9] == [-2, -1, b"near", 0, 1, b"same", b"same", 1, 0], reply

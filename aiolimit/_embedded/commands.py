@@ -78,6 +78,23 @@ def _pexpire(ks: Keyspace, args: Sequence[bytes]) -> Reply:
     return 1
 
 
+def _pexpireat(ks: Keyspace, args: Sequence[bytes]) -> Reply:
+    """PEXPIREAT key unix-ms (no NX/XX/GT/LT); a time already past deletes the key."""
+    if len(args) > 3:
+        raise CommandError(f"ERR Unsupported option {_text(args[3])}")
+    at = int_arg(args[2])
+    if at > LLONG_MAX - ks.wall_offset or at < -LLONG_MAX:
+        raise CommandError("ERR invalid expire time in 'pexpireat' command")
+    if ks.get(args[1]) is None:
+        return 0
+    milliseconds = at - ks.wall_offset - ks.mono_ms
+    if milliseconds <= 0:
+        ks.remove(args[1])
+    else:
+        ks.expire_in(args[1], milliseconds)
+    return 1
+
+
 def _set(ks: Keyspace, args: Sequence[bytes]) -> Reply:
     """SET key value [PX milliseconds]: replaces any value and drops any TTL."""
     raw_ttl = None
@@ -133,6 +150,8 @@ COMMANDS.update(
         b"unlink": (_del, -2),  # nothing runs in the background here: DEL's effect
         b"pexpire": (_pexpire, -3),
         b"pttl": (lambda ks, args: ks.pttl(args[1]), 2),
+        b"pexpireat": (_pexpireat, -3),
+        b"pexpiretime": (lambda ks, args: ks.expire_time(args[1]), 2),
         b"get": (lambda ks, args: ks.get_string(args[1]), 2),
         b"set": (_set, -3),
         b"hset": (_hset, -4),

@@ -80,6 +80,7 @@ class Keyspace:
         # Redis 7.0 judges expiry by the time its script started (frozen_ms), but computes
         # TTLs from the live clock, read once per command (mono_ms, wall_ms).
         self.frozen_ms = self.mono_ms = self.wall_ms = 0
+        self._offset: int | None = None  # (see wall_offset)
 
     def read_clocks(self) -> None:
         """Read the live clocks for one command's TTL arithmetic (expiry stays frozen)."""
@@ -158,6 +159,22 @@ class Keyspace:
             return -2
         deadline = self.expires.get(key)
         return -1 if deadline is None else max(0, deadline - self.mono_ms)
+
+    @property
+    def wall_offset(self) -> int:
+        """Unix ms less monotonic ms, fixed at the first command: PEXPIRETIME and PEXPIREAT
+        turn deadlines into Unix times and back with it, so a time one reads, the other
+        sets exactly (two clocks read separately would round a millisecond apart)."""
+        if self._offset is None:
+            self._offset = self.wall_ms - self.mono_ms
+        return self._offset
+
+    def expire_time(self, key: bytes) -> int:
+        """PEXPIRETIME: the key's deadline as a Unix time in ms; -1 without one, -2 missing."""
+        if self.get(key) is None:
+            return -2
+        deadline = self.expires.get(key)
+        return -1 if deadline is None else deadline + self.wall_offset
 
     def expire_in(self, key: bytes, milliseconds: int) -> None:
         """Set the key's deadline ``milliseconds`` from now (the live clock)."""
