@@ -90,6 +90,26 @@ def _assert_consistent_refusal(decision: Decision, refusing: str) -> None:
             assert pair.retry_after == 0.0, pair
 
 
+def _pause_on_release(limiter: Limiter, node: cluster.Node) -> tuple[asyncio.Event, Any]:
+    """Makes the limiter's next lease release pause ``node`` first (once the store refused,
+    before the release is answered): the event is set then; call the second item to put the
+    plain release back."""
+    protocol = limiter._protocol
+    release = protocol.lease_call
+    entered = asyncio.Event()
+
+    async def freezing(*args: Any, **kwargs: Any) -> Any:
+        node.pause()
+        entered.set()
+        return await release(*args, **kwargs)
+
+    def restore() -> None:
+        protocol.lease_call = release  # type: ignore[method-assign]
+
+    protocol.lease_call = freezing  # type: ignore[method-assign]
+    return entered, restore
+
+
 async def _spend(limiter: Limiter, r: str, weight: int) -> None:
     spent = await limiter.try_acquire(r, weight)
     assert spent.allowed
@@ -233,20 +253,11 @@ async def test_closing_the_limiter_while_the_release_is_frozen_returns_the_refus
     rules = _rules(lease_ttl=2)
     lim = Limiter(nodes.url, rules, prefix=prefix, count_refused=True, deadline=None)
     await _spend(lim, r, 2)
-    protocol = lim._protocol
-    release = protocol.lease_call
-    entered = asyncio.Event()
-
-    async def freezing(*args: Any, **kwargs: Any) -> Any:
-        node_a.pause()
-        entered.set()
-        return await release(*args, **kwargs)
-
-    protocol.lease_call = freezing  # type: ignore[method-assign]
+    entered, restore = _pause_on_release(lim, node_a)
     try:
         caller = asyncio.create_task(lim.try_acquire([c, r]))
         await asyncio.wait_for(entered.wait(), 5)
-        protocol.lease_call = release  # type: ignore[method-assign]
+        restore()
         started = time.monotonic()
         await asyncio.wait_for(lim.aclose(), 12)
         closed_in = time.monotonic() - started
@@ -276,19 +287,11 @@ async def test_a_caller_cancelled_while_the_release_is_frozen_leaves_nothing_cou
     async with Limiter(nodes.url, _rules(), prefix=prefix, count_refused=True, deadline=2.0) as lim:
         await _spend(lim, r, 2)
         protocol = lim._protocol
-        release = protocol.lease_call
-        entered = asyncio.Event()
-
-        async def freezing(*args: Any, **kwargs: Any) -> Any:
-            node_a.pause()
-            entered.set()
-            return await release(*args, **kwargs)
-
-        protocol.lease_call = freezing  # type: ignore[method-assign]
+        entered, restore = _pause_on_release(lim, node_a)
         try:
             caller = asyncio.create_task(lim.try_acquire([c, r, t]))
             await asyncio.wait_for(entered.wait(), 5)
-            protocol.lease_call = release  # type: ignore[method-assign]
+            restore()
             await asyncio.sleep(0.02)  # (within the refusal's wait for its release)
             caller.cancel()
             with pytest.raises(asyncio.CancelledError):
