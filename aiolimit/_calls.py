@@ -20,7 +20,7 @@ from functools import cache
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 
-from aiolimit._decision import Decision, PairDecision
+from aiolimit._decision import Decision, PairDecision, made_decision
 from aiolimit._limits import BaseLimit
 from aiolimit._rules import IdentifierPlan
 
@@ -158,7 +158,7 @@ def reply_decision(call: Call, raw: Sequence[int]) -> Decision:
                 PairDecision, (identifier, limit, pair_allowed, remaining, retry, reset)
             )
             # The script's all-or-nothing verdict stands (a replayed refusal is a refusal).
-            return Decision(
+            return made_decision(
                 raw[0] == 1, remaining, 0.0 if pair_allowed else retry, reset, identifier,
                 limit, (pair,),
             )  # fmt: skip
@@ -218,7 +218,7 @@ def replies_decision(calls: Sequence[Call], raws: Sequence[Sequence[int]]) -> De
     if not pairs:
         return Decision(allowed, 0, 0.0, 0.0, None, None, ())
     # The scripts' all-or-nothing verdict stands (a replayed refusal is a refusal).
-    return Decision(
+    return made_decision(
         allowed, remaining, 0.0 if merged else retry_bound, reset, bound_identifier,
         bound_limit, tuple(pairs),
     )  # fmt: skip
