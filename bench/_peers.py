@@ -237,6 +237,7 @@ class CeilingContender(Contender):
 
     name = "ceiling"
     impl = "aiolimit's script, pre-packed FCALL/EVALSHA, one connection, hiredis"
+    # (On a cluster ``make_contender`` gives ``ClusterCeilingContender`` instead.)
 
     def __init__(self, url: str, algorithm: str, limits: Sequence[Window], prefix: str) -> None:
         super().__init__(url, algorithm, limits, prefix)
@@ -318,6 +319,142 @@ class CeilingContender(Contender):
             self._reading.cancel()
         if self._writer is not None:
             self._writer.close()
+
+
+class _Link:
+    """One connection of the cluster ceiling client to one primary: the calls queued in this
+    event-loop tick (written at once by ``flush``), and the futures waiting for replies."""
+
+    __slots__ = ("outgoing", "reading", "waiting", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.outgoing: list[bytes] = []
+        self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.reading: asyncio.Task[None] | None = None
+
+    def flush(self) -> None:
+        self.writer.write(b"".join(self.outgoing))
+        self.outgoing.clear()
+
+
+class ClusterCeilingContender(Contender):
+    """The ceiling on a Redis Cluster: the calls aiolimit's protocol makes, from a minimal
+    client. Identifiers in one slot: one acquire. Across slots: a check per slot, then (all
+    allowing) an acquire per slot, as the two phases do, each packed once in advance (no op
+    id, so no exactly-once bookkeeping on the server either). One connection per primary; the
+    calls of one event-loop tick to a node in one write; replies parsed by hiredis as they
+    arrive. No validation, decoding, deadlines, retries, redirections or compensation: what
+    any client of this protocol pays at the least, in the same process on the same cluster.
+    """
+
+    name = "ceiling"
+    impl = (
+        "aiolimit's script, pre-packed FCALLs (a check per slot, then an acquire per slot), "
+        "one connection per primary, hiredis"
+    )
+
+    def __init__(self, url: str, algorithm: str, limits: Sequence[Window], prefix: str) -> None:
+        super().__init__(url, algorithm, limits, prefix)
+        self._inner = AiolimitContender(url, algorithm, limits, prefix)
+        self.impl = f"{self.impl}; limits as aiolimit: {self._inner.impl}"
+        self._links: list[_Link] = []
+
+    async def open(self, identifiers: Sequence[str]) -> Decide:
+        import hiredis
+        from redis.asyncio.cluster import RedisCluster
+        from redis.crc import key_slot
+
+        from aiolimit._calls import ACQUIRE, CHECK, decide_library, encode
+        from aiolimit._rules import Rules
+        from aiolimit._stores.resp import command_head, pack_call
+
+        library = decide_library()
+        client = RedisCluster.from_url(_redis_url(self.url))
+        try:
+            await client.initialize()
+            owner = {
+                slot: (nodes[0].host, int(nodes[0].port))
+                for slot, nodes in client.nodes_manager.slots_cache.items()
+            }
+            for node in client.get_primaries():
+                await node.execute_command("FUNCTION", "LOAD", "REPLACE", library.code)
+        finally:
+            await client.aclose()
+        head = command_head("FCALL", library.function)
+        loop = asyncio.get_running_loop()
+        links: dict[tuple[str, int], _Link] = {}
+        for host, port in sorted(set(owner.values())):
+            reader, writer = await asyncio.open_connection(host, port)
+            link = links[host, port] = _Link(writer)
+            link.reading = asyncio.ensure_future(self._read(reader, link, hiredis.Reader()))
+            self._links.append(link)
+        rules = Rules(self._inner._limits, self.prefix)
+        Steps = list[tuple[_Link, bytes, bytes]]  # per slot: its node, its check, its acquire
+        packed: dict[tuple[str, ...], Steps] = {}
+
+        def steps_for(ids: tuple[str, ...]) -> Steps:
+            by_slot: dict[int, list[Any]] = {}
+            for plan in rules.plans(list(ids)):
+                by_slot.setdefault(key_slot(plan.keys[0].encode()), []).append(plan)
+            steps = []
+            for slot, plans in by_slot.items():
+                check, charge = encode(CHECK, plans, 1, None, 0), encode(ACQUIRE, plans, 1, None, 0)
+                steps.append(
+                    (
+                        links[owner[slot]],
+                        pack_call(head, 2, check.keys, check.args),
+                        pack_call(head, 2, charge.keys, charge.args),
+                    )
+                )
+            return steps
+
+        def send(link: _Link, data: bytes) -> asyncio.Future[Any]:
+            if not link.outgoing:
+                loop.call_soon(link.flush)
+            link.outgoing.append(data)
+            future = loop.create_future()
+            link.waiting.append(future)
+            return future
+
+        async def allowed(futures: list[asyncio.Future[Any]]) -> bool:
+            verdict = True
+            for future in futures:
+                reply = await future
+                if isinstance(reply, Exception):
+                    raise reply
+                verdict = verdict and reply[0] == 1
+            return verdict
+
+        async def decide(ids: tuple[str, ...]) -> bool:
+            steps = packed.get(ids)
+            if steps is None:
+                steps = packed[ids] = steps_for(ids)
+            if len(steps) == 1:
+                link, _, charge = steps[0]
+                return await allowed([send(link, charge)])
+            if not await allowed([send(link, check) for link, check, _ in steps]):
+                return False
+            return await allowed([send(link, charge) for link, _, charge in steps])
+
+        return decide
+
+    @staticmethod
+    async def _read(reader: asyncio.StreamReader, link: _Link, parser: Any) -> None:
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                break
+            parser.feed(data)
+            while (reply := parser.gets()) is not False:
+                link.waiting.popleft().set_result(reply)
+
+    async def aclose(self) -> None:
+        for link in self._links:
+            if link.reading is not None:
+                link.reading.cancel()
+            link.writer.close()
+        self._links = []
 
 
 # -- limits ---------------------------------------------------------------------------------
@@ -554,6 +691,8 @@ def make_contender(
     """The adapter called ``name``; raises Unsupported when it cannot run ``algorithm``."""
     if name not in _CLASSES:
         raise ValueError(f"unknown contender {name!r}; known: {', '.join(_CLASSES)}")
+    if name == "ceiling" and _is_cluster(url):
+        return ClusterCeilingContender(url, algorithm, limits, prefix)
     if name in ("aiolimit", "aiolimit-cache", "aiolimit-otel", "aiolimit-prom"):
         return _CLASSES[name](  # type: ignore[call-arg]
             url, algorithm, limits, prefix, sliding_buckets=sliding_buckets, clock=clock

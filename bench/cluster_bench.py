@@ -19,6 +19,13 @@ The peers (``limits`` with its async redis cluster storage, ``pyrate-limiter`` o
 or more round trips per (identifier, limit) whatever the layout. Columns are those of
 ``bench/bench.py`` (see bench/README.md); ``rt/dec`` is socket writes per decision (a pipeline
 counts once).
+
+``ceiling`` is no limiter: the calls aiolimit's protocol makes (one acquire in one slot; across
+slots a check per slot, then an acquire per slot), packed once in advance and sent by a
+minimal client (one connection per primary, no op ids, no decoding, deadlines or retries;
+``bench/_peers.py``). Under each table: aiolimit against the best peer and against that
+ceiling, and, for ``two primaries``, the issue's targets (>= 3x the best peer, client CPU
+<= 60 µs per decision).
 """
 
 from __future__ import annotations
@@ -40,7 +47,10 @@ from bench._measure import CommandCounter, ServerStats, counting_commands, forma
 from bench._peers import library_versions, windows
 from bench.bench import Config, Outcome, _fmt, run_round, server
 
-CONTENDERS = ("aiolimit", "limits", "pyrate")
+CONTENDERS = ("aiolimit", "limits", "pyrate", "ceiling")
+PEERS = ("limits", "pyrate")
+#: The issue's targets for ``two primaries``: x the best peer's decisions/s, client CPU µs.
+TARGET_RATIO, TARGET_CPU_US = 3.0, 60.0
 SCENARIOS = ("one slot", "two primaries")
 
 
@@ -152,6 +162,44 @@ def table(outcomes: dict[str, Outcome]) -> str:
     return format_table(headers, rows) + "\n" + "\n".join(notes)
 
 
+def verdicts(scenario: str, outcomes: dict[str, Outcome]) -> list[str]:
+    """aiolimit against the best peer and the ceiling client (and, for ``two primaries``,
+    against the targets), from the measured outcomes; nothing for what did not run."""
+    ours = outcomes.get("aiolimit")
+    if ours is None or ours.status != "ok" or not ours.measurement.decisions:
+        return []
+    mine = ours.measurement
+    lines = []
+    ran = {
+        name: outcome.measurement
+        for name, outcome in outcomes.items()
+        if outcome.status == "ok" and outcome.measurement.decisions
+    }
+    peers = [(ran[name].decisions_per_second, name) for name in PEERS if name in ran]
+    if peers:
+        best, name = max(peers)
+        ratio = mine.decisions_per_second / best
+        line = f"{scenario}: aiolimit/{name} (best peer) = {ratio:.2f}x decisions/s"
+        if scenario == "two primaries":
+            line += f" (>= {TARGET_RATIO:g}x): {'met' if ratio >= TARGET_RATIO else 'MISSED'}"
+        lines.append(line)
+    if scenario == "two primaries":
+        cpu = mine.cpu_us_per_decision
+        lines.append(
+            f"{scenario}: aiolimit client CPU {cpu:.1f} µs/decision (<= {TARGET_CPU_US:g}): "
+            + ("met" if cpu <= TARGET_CPU_US else "MISSED")
+        )
+    top = ran.get("ceiling")
+    if top is not None:
+        lines.append(
+            f"{scenario}: aiolimit makes {mine.decisions_per_second / top.decisions_per_second:.0%}"
+            f" of the ceiling client's {top.decisions_per_second:,.0f} decisions/s; client CPU "
+            f"{mine.cpu_us_per_decision:.1f} against its {top.cpu_us_per_decision:.1f} µs/decision "
+            f"({mine.cpu_us_per_decision / top.cpu_us_per_decision:.2f}x)"
+        )
+    return lines
+
+
 async def run(config: Config) -> dict[str, Any]:
     token = uuid.uuid4().hex[:8]
     report: dict[str, Any] = {
@@ -176,6 +224,8 @@ async def run(config: Config) -> dict[str, Any]:
                     flush=True,
                 )
                 print(table(outcomes), flush=True)
+                for line in verdicts(scenario, outcomes):
+                    print(line, flush=True)
                 report["results"].append(
                     {
                         "scenario": scenario,
