@@ -9,6 +9,7 @@ aiohttp servers, real Redis.
 from __future__ import annotations
 
 import asyncio
+import pathlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -20,6 +21,7 @@ from starlette.responses import StreamingResponse
 from aiolimit import Concurrency, Limit, Limiter
 from aiolimit import aiohttp as aio
 from aiolimit.starlette import RateLimit, RateLimitMiddleware
+from tests.test_web_aiohttp import running
 from tests.test_web_starlette import serve
 
 IP = "127.0.0.1"
@@ -180,3 +182,84 @@ async def test_a_slot_taken_by_a_dependency_the_first_did_not_see_is_released(
     async with serve(app) as client:
         codes = [(await client.get("/")).status_code for _ in range(3)]
     assert codes == [200, 200, 200], codes
+
+
+async def _slow_chunks(started: asyncio.Event, finish: asyncio.Event) -> AsyncIterator[bytes]:
+    yield b"first "
+    started.set()
+    await finish.wait()
+    yield b"last"
+
+
+@pytest.mark.parametrize("where", ["middleware", "decorator"])
+async def test_aiohttp_holds_the_slot_while_a_body_streams_after_the_handler(
+    limiter: Limiter, where: str
+) -> None:
+    """aiohttp writes a returned response's body after the handler (and the middleware) have
+    returned: a body from an async iterator, a ``FileResponse``. A download that is still
+    being sent is a request in flight: under Concurrency(1) a second request is refused
+    while the first body streams, and admitted once it has ended."""
+    started, finish = asyncio.Event(), asyncio.Event()
+
+    async def download(request: web.Request) -> web.Response:
+        if started.is_set():  # (only the first body is held back)
+            return web.Response(text="quick")
+        return web.Response(body=_slow_chunks(started, finish))
+
+    if where == "middleware":
+        app = web.Application(middlewares=[aio.rate_limit_middleware(limiter)])
+        app.router.add_get("/", download)
+        identifier = f"ip:{IP}"
+    else:
+        app = web.Application()
+        app.router.add_get("/", aio.limit(limiter, POOL, name="pool")(download))
+        identifier = f"pool:ip:{IP}"
+    async with running(app) as base, aiohttp.ClientSession(base) as session:
+
+        async def read(path: str) -> tuple[int, bytes]:
+            async with session.get(path) as response:
+                return response.status, await response.read()
+
+        first = asyncio.ensure_future(read("/"))
+        async with asyncio.timeout(5):
+            await started.wait()
+        during = await limiter.peek(identifier)
+        second, _ = await read("/")
+        finish.set()
+        assert await first == (200, b"first last")
+        after, _ = await read("/")
+    assert (during.remaining, second) == (0, 429), "the slot was free while the body streamed"
+    assert after == 200
+    assert (await limiter.peek(identifier)).remaining == 1
+
+
+async def test_aiohttp_file_download_cut_short_gives_its_slot_back(
+    limiter: Limiter, tmp_path: pathlib.Path
+) -> None:
+    """A ``FileResponse`` too large for the socket buffers, read by a client that stops
+    reading: the slot is held while the file is sent, and comes back when the client
+    hangs up (not at the lease's TTL)."""
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"\0" * (32 << 20))
+
+    async def file(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(path)
+
+    app = web.Application(middlewares=[aio.rate_limit_middleware(limiter)])
+    app.router.add_get("/", file)
+    identifier = f"ip:{IP}"
+    async with running(app) as base:
+        host, port = base.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        async with asyncio.timeout(5):
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        await asyncio.sleep(0.3)  # (the server is blocked on a full socket)
+        during = await limiter.peek(identifier)
+        writer.transport.abort()
+        for _ in range(50):
+            if (await limiter.peek(identifier)).remaining == 1:
+                break
+            await asyncio.sleep(0.1)
+    assert during.remaining == 0, "the slot was free while the file was being sent"
+    assert (await limiter.peek(identifier)).remaining == 1
