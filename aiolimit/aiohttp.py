@@ -17,7 +17,9 @@ middleware judges the handler's ``@limit`` declarations with its own keys, all o
 429 with RFC 9457 problem+json, ``Retry-After`` and the ``RateLimit`` / ``RateLimit-Policy``
 fields; 503 when the store is down under ``on_error="closed"``; IPv6
 clients keyed per /64 unless ``ipv6_prefix`` says otherwise (128: per address). Headers are
-added to the handler's response unless it was already prepared (streamed).
+added to the handler's response unless it was already prepared (streamed). A request
+holding ``Concurrency`` slots keeps them until its body is sent: a ``FileResponse`` or a body
+from a file or an async iterator is sent by the layer that judged it (see ``_send``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.payload import Payload
 from multidict import CIMultiDict
 
 from aiolimit._limiter import Limiter
@@ -207,10 +210,46 @@ async def _judge_first(
     if verdict is not None:
         verdict.keep_leases()
     try:
-        return await _run(state, request, handler)
+        response = await _run(state, request, handler)
+        if state.verdict is not None and _holds_leases(state.verdict) and _sent_later(response):
+            await _send(response, request, state.verdict)
+        return response
     finally:
         if state.verdict is not None:  # the request is over: its Concurrency slots go back
             await state.verdict.release()
+
+
+def _holds_leases(verdict: Verdict) -> bool:
+    return any(
+        charge.decision.lease is not None and not charge.decision.lease.released
+        for charge in verdict.charges
+    )
+
+
+def _sent_later(response: web.StreamResponse) -> bool:
+    """aiohttp writes a returned response after the middlewares have returned: a body in
+    memory in one write, but a ``FileResponse`` or a body read from a file or an async
+    iterator for as long as the download lasts."""
+    if response.prepared:
+        return False
+    return not isinstance(response, web.Response) or isinstance(response.body, Payload)
+
+
+async def _send(response: web.StreamResponse, request: web.Request, verdict: Verdict) -> None:
+    """Sends a streamed body here, while the request's ``Concurrency`` slots are held, so
+    that a download counts as a request in flight until it ends (aiohttp then finds the
+    response sent). A client that hangs up ends it (aiohttp sees that again and logs it, as
+    for any response); a body that fails is the app's, given back under
+    ``refund_on_error``."""
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        return
+    except Exception:
+        if not _client_gone(request):
+            await verdict.give_back(on_error=True)
+        raise
 
 
 def _router_path(request: web.Request) -> str:
