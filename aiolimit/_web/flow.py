@@ -448,9 +448,40 @@ class Verdict:
                     _renewal_failed(exc)
 
 
+def shown(limiter: Limiter, decision: Decision) -> Decision:
+    """The decision as its client is told it: without the pairs of shadow rules.
+
+    A shadow rule is decided and charged but never refuses; a client that follows the
+    ``RateLimit`` fields would slow down for it all the same (its ``r=0`` while it still
+    admits, its wait on a 429 that an enforced limit made). The lease and the charge stay
+    on the decision itself: this one only describes it.
+    """
+    details = decision.details
+    if not limiter._rules_special or not details or decision.degraded:
+        return decision
+    kept = tuple(pair for pair in details if not _is_shadow(limiter, pair.identifier))
+    if len(kept) == len(details):
+        return decision
+    if decision.allowed and not kept:  # (all shadow: nothing enforced to describe)
+        return Decision(True, 0, 0.0, 0.0, None, None, ())
+    told = Decision.from_pairs(kept)
+    # (A refusal names an enforced pair that refused, unless the rules changed meanwhile:
+    # then it is described as it came.)
+    return told if told.allowed == decision.allowed else decision
+
+
+def _is_shadow(limiter: Limiter, identifier: str) -> bool:
+    try:
+        return limiter._rules.plan_for(identifier).shadow
+    except Exception:  # (rules swapped since, without this kind: not known to be one)
+        return False
+
+
 def merged_headers(charges: Sequence[Charge], *, legacy: bool) -> list[tuple[str, str]]:
     """One ``RateLimit-Policy`` and one ``RateLimit`` field for every admitted decision."""
-    real = [charge.decision for charge in charges if not charge.decision.degraded]
+    real = [
+        shown(charge.limiter, charge.decision) for charge in charges if not charge.decision.degraded
+    ]
     if not real:
         return []
     if len(real) == 1:
@@ -512,7 +543,7 @@ async def judge(
             raise
         if not decision.allowed:
             await verdict.give_back()
-            return refusal(decision, legacy=legacy)
+            return refusal(decision, legacy=legacy, limiter=limiter)
         verdict.charges.append(Charge(limiter, ids, weight, decision, list(refund)))
     charges = verdict.charges
     verdict.decision = (
@@ -538,24 +569,26 @@ async def _judge_one(layer: Layer, request: Any, *, legacy: bool) -> Verdict | N
         status, body = never_fits_body(exc)
         return Verdict([], None, [], status, body)
     if not decision.allowed:
-        return refusal(decision, legacy=legacy)
+        return refusal(decision, legacy=legacy, limiter=limiter)
     return Verdict(
         [Charge(limiter, ids, weight, decision, ids if layer.refund else [])],
         decision,
-        rate_limit_headers(decision, legacy=legacy),
+        rate_limit_headers(shown(limiter, decision), legacy=legacy),
     )
 
 
-def refusal(decision: Decision, *, legacy: bool) -> Verdict:
-    """The verdict for a refused decision: 429 (503 when degraded, 403 when denied)."""
+def refusal(decision: Decision, *, legacy: bool, limiter: Limiter | None = None) -> Verdict:
+    """The verdict for a refused decision: 429 (503 when degraded, 403 when denied); its
+    headers and body describe the enforced limits only (``shown``)."""
     if decision.denied:
         status, body = denied_body()
         return Verdict([], decision, [], status, body)
-    status, body = problem_body(decision)
+    told = decision if limiter is None else shown(limiter, decision)
+    status, body = problem_body(told)
     if decision.degraded:
         headers = [("Retry-After", str(retry_after_seconds(decision)))]
     else:
-        headers = rate_limit_headers(decision, legacy=legacy)
+        headers = rate_limit_headers(told, legacy=legacy)
     return Verdict([], decision, headers, status, body)
 
 
