@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import Any, TypeVar
 
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -629,9 +629,14 @@ class RateLimit:
         return self._resolver.resolve(peer, request.headers.getlist(self._resolver.header))
 
     async def __call__(
-        self, request: Request, response: Response
+        self, request: HTTPConnection, response: Response
     ) -> AsyncIterator[Decision | None]:
+        # (Annotated HTTPConnection, FastAPI gives it to websocket routes as well: a
+        # dependency on a whole app or router reaches them, and lets them through.)
         scope = request.scope
+        if scope["type"] != "http":
+            yield None  # websockets are not limited here (as the middleware passes them)
+            return
         state = scope.get(SCOPE_KEY)
         limiter = self.layer.rule.limiter
         if isinstance(state, RequestLimits) and state.judged(self):
