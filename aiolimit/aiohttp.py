@@ -140,7 +140,9 @@ class _Settings:
 
     def client_ip(self, request: web.Request) -> str | None:
         forwarded = (
-            request.headers.getall(self.resolver.header, []) if self.resolver.trusted else []
+            request.headers.getall(self.resolver.header, [])
+            if self.resolver.reads_forwarded
+            else []
         )
         return self.resolver.resolve(_peer(request), forwarded)
 
@@ -358,7 +360,7 @@ def limit(
         limiter, limits, key=key, keys=keys, weight=weight, name=name, route_scope=route_scope
     )
     settings = _Settings(trusted_proxies, forwarded_header, ipv6_prefix, legacy_headers)
-    own_client = bool(settings.resolver.trusted) or ipv6_prefix != DEFAULT_IPV6_PREFIX
+    own_client = settings.resolver.reads_forwarded or ipv6_prefix != DEFAULT_IPV6_PREFIX
     marker = _Marker(
         Layer(rule, settings.client_ip, weight is not None, refund_on_error, own_client), settings
     )

@@ -370,7 +370,7 @@ class RateLimitMiddleware:
         scope = request.scope
         client = scope.get("client")
         peer = client[0] if client else None
-        if not self._resolver.trusted:
+        if not self._resolver.reads_forwarded:
             return self._resolver.resolve(peer, ())
         values = [v.decode("latin-1") for k, v in scope["headers"] if k == self._header]
         return self._resolver.resolve(peer, values)
@@ -620,7 +620,7 @@ class RateLimit:
         self._resolver = ClientIPResolver(
             trusted_proxies, header=forwarded_header, ipv6_prefix=ipv6_prefix
         )
-        own_client = bool(self._resolver.trusted) or ipv6_prefix != DEFAULT_IPV6_PREFIX
+        own_client = self._resolver.reads_forwarded or ipv6_prefix != DEFAULT_IPV6_PREFIX
         self.layer = Layer(rule, self._client_ip, weight is not None, refund_on_error, own_client)
         self._legacy = legacy_headers
 

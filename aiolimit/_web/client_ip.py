@@ -26,6 +26,9 @@ MAX_HOPS = 64
 DEFAULT_IPV6_PREFIX = 64
 #: Peers whose identifier is kept (cleared when full).
 PEER_CACHE_SIZE = 4096
+#: In ``trusted_proxies``: the peer of a Unix socket (the server gives it no IP address), a
+#: proxy in front of an app served on one (nginx ``proxy_pass http://unix:...``).
+UNIX = "unix"
 
 
 @functools.lru_cache(maxsize=4096)  # the same few peers and proxies ask again and again
@@ -69,6 +72,10 @@ class ClientIPResolver:
     (``X-Forwarded-For`` or RFC 7239 ``Forwarded``), never both: a proxy sets one, and the
     other would come from the client untouched.
 
+    ``"unix"`` among ``trusted_proxies`` trusts a peer that has no IP address (an app served
+    on a Unix socket, which only processes on its host can reach: the proxy), and its chain
+    is read the same way. Without it such peers are one client (see ``resolve``).
+
     IPv6 clients are keyed per network of ``ipv6_prefix`` bits, /64 by default
     (``"2001:db8:1:2::/64"``): one subscriber usually holds a whole /64 and picks addresses
     from it freely. ``ipv6_prefix=128`` keys each IPv6 address alone. IPv4 clients are keyed
@@ -84,14 +91,22 @@ class ClientIPResolver:
     ) -> None:
         if isinstance(trusted_proxies, str):
             trusted_proxies = (trusted_proxies,)
+        items = list(trusted_proxies)
+        #: A peer without an IP address (a Unix socket) is a trusted proxy.
+        self.trusts_unix = any(isinstance(item, str) and item == UNIX for item in items)
         try:
             self.trusted: tuple[Network, ...] = tuple(
-                ipaddress.ip_network(item, strict=False) for item in trusted_proxies
+                ipaddress.ip_network(item, strict=False)
+                for item in items
+                if not (isinstance(item, str) and item == UNIX)
             )
         except (TypeError, ValueError) as exc:
             raise ConfigurationError(
-                f"trusted_proxies must be IP addresses or networks like '10.0.0.0/8': {exc}"
+                "trusted_proxies must be IP addresses or networks like '10.0.0.0/8', or "
+                f"'unix' for a proxy in front of a Unix socket: {exc}"
             ) from exc
+        #: Whether the forwarded header is read at all (some proxy is trusted).
+        self.reads_forwarded = bool(self.trusted) or self.trusts_unix
         if header not in ("x-forwarded-for", "forwarded"):
             raise ConfigurationError(
                 f"forwarded_header must be 'x-forwarded-for' or 'forwarded', got {header!r}"
@@ -115,9 +130,10 @@ class ClientIPResolver:
 
         A peer that is not an IP address (a Unix socket, a server's odd ``client`` value) is
         used as it is, and no peer at all is ``"unknown"``: such requests share one identifier
-        rather than escaping the limits.
+        rather than escaping the limits, unless ``"unix"`` is trusted and the chain names the
+        client.
         """
-        if not forwarded or not self.trusted:
+        if not forwarded or not self.reads_forwarded:
             # The common case, the peer alone: its identifier is kept (bounded), since
             # parsing and formatting an address costs more than the rest of the lookup.
             known = self._by_peer.get(peer)
@@ -132,16 +148,26 @@ class ClientIPResolver:
     def _resolve(self, peer: str | None, forwarded: Sequence[str]) -> str:
         client = parse_ip(peer) if peer else None
         if client is None:
-            return key_value(peer) or "unknown"
+            found = self._walk(forwarded) if self.trusts_unix and forwarded else None
+            if found is None:
+                return key_value(peer) or "unknown"
+            return self.format(found)
         if self.trusted and forwarded and self.is_trusted(client):
-            for hop in self._hops_right_to_left(forwarded):
-                address = parse_ip(hop) if hop is not None else None
-                if address is None:
-                    break
-                client = address
-                if not self.is_trusted(address):
-                    break
+            client = self._walk(forwarded) or client
         return self.format(client)
+
+    def _walk(self, forwarded: Sequence[str]) -> IPAddress | None:
+        """The client the chain names behind a trusted peer: the rightmost hop that is not
+        a trusted proxy (or the last good one); None when the last hop is malformed."""
+        client = None
+        for hop in self._hops_right_to_left(forwarded):
+            address = parse_ip(hop) if hop is not None else None
+            if address is None:
+                break
+            client = address
+            if not self.is_trusted(address):
+                break
+        return client
 
     def _hops_right_to_left(self, values: Sequence[str]) -> Iterable[str | None]:
         text = ",".join(values)
