@@ -321,3 +321,24 @@ def test_peer_identifiers_are_kept_bounded_and_equal_to_a_fresh_resolution(
     assert len(resolver._by_peer) <= 4
     assert resolver.resolve("10.1.2.3", ["198.51.100.9"]) == "198.51.100.9"
     assert resolver.resolve("203.0.113.7", ["198.51.100.9"]) == "203.0.113.7"  # untrusted peer
+
+
+@pytest.mark.parametrize("framework", ["starlette", "aiohttp"])
+@pytest.mark.parametrize("wrong", [["/health"], "/health", True])
+def test_an_exempt_that_is_no_callable_is_a_configuration_error(
+    framework: str, wrong: object
+) -> None:
+    """``exempt=`` takes a function of the request; paths go in ``routes={path: None}``.
+    Anything else used to be accepted and then fail every request (500: not callable)."""
+    from aiolimit import Limiter
+
+    limiter = Limiter("memory://", [Limit(5, per=60)])
+    with pytest.raises(ConfigurationError, match=r"routes=\{path: None\}"):
+        if framework == "starlette":
+            from aiolimit.starlette import RateLimitMiddleware
+
+            RateLimitMiddleware(lambda *_: None, limiter, exempt=wrong)  # type: ignore[arg-type]
+        else:
+            from aiolimit.aiohttp import rate_limit_middleware
+
+            rate_limit_middleware(limiter, exempt=wrong)  # type: ignore[arg-type]
