@@ -43,6 +43,7 @@ from aiolimit._web.flow import (
     RouteTable,
     Rule,
     Verdict,
+    check_exempt,
     judge,
     mark_exempt,
     route_rule,
@@ -285,6 +286,7 @@ def rate_limit_middleware(
     """
     table = RouteTable(Rule(limiter, keys or {"ip": CLIENT_IP}, weight), routes)
     settings = _Settings(trusted_proxies, forwarded_header, ipv6_prefix, legacy_headers)
+    check_exempt(exempt)
     exempt_request = exempt
     own_layers: dict[int, Layer] = {}  # per rule of the route table (they live as long)
 

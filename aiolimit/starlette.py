@@ -61,6 +61,7 @@ from aiolimit._web.flow import (
     RouteTable,
     Rule,
     Verdict,
+    check_exempt,
     judge,
     mark_exempt,
     route_rule,
@@ -360,6 +361,7 @@ class RateLimitMiddleware:
             trusted_proxies, header=forwarded_header, ipv6_prefix=ipv6_prefix
         )
         self._header = forwarded_header.encode("latin-1")
+        check_exempt(exempt)
         self._exempt = exempt
         self._refund = refund_on_error
         self._legacy = legacy_headers

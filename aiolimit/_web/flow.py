@@ -290,6 +290,15 @@ def route_rule(
     return Rule(limiter, keys or {"ip": CLIENT_IP}, 1 if weight is None else weight, own)
 
 
+def check_exempt(exempt: object) -> None:
+    """A middleware's ``exempt=``: a function of the request (sync or async), or None."""
+    if exempt is not None and not callable(exempt):
+        raise ConfigurationError(
+            f"exempt must be a function of the request returning true to skip limiting, got "
+            f"{exempt!r}; exempt paths go in routes={{path: None}} (a '/prefix*' for a subtree)"
+        )
+
+
 #: The attribute ``exempt`` sets on an endpoint or handler.
 EXEMPT_MARK = "__aiolimit_exempt__"
 F = TypeVar("F")
