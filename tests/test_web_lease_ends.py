@@ -11,16 +11,17 @@ from __future__ import annotations
 import asyncio
 import pathlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 from fastapi import BackgroundTasks, Depends, FastAPI
-from starlette.responses import StreamingResponse
+from starlette.responses import PlainTextResponse, StreamingResponse
 
 from aiolimit import Concurrency, Limit, Limiter
 from aiolimit import aiohttp as aio
-from aiolimit.starlette import RateLimit, RateLimitMiddleware
+from aiolimit.starlette import CLIENT_IP, RateLimit, RateLimitMiddleware
 from tests.test_web_aiohttp import running
 from tests.test_web_starlette import serve
 
@@ -263,3 +264,57 @@ async def test_aiohttp_file_download_cut_short_gives_its_slot_back(
             await asyncio.sleep(0.1)
     assert during.remaining == 0, "the slot was free while the file was being sent"
     assert (await limiter.peek(identifier)).remaining == 1
+
+
+async def test_a_request_timed_out_by_an_outer_cancel_scope_frees_every_limiters_slot(
+    redis_url: str, prefix: str
+) -> None:
+    """A request-timeout middleware around the app (``anyio.move_on_after``, the usual way
+    to bound a request) cancels a slow request; the middleware's cleanup then runs inside
+    the cancelled scope, where every ``await`` is cancelled again. The request held slots
+    on two limiters (the middleware's and the route's own): both come back at once, not at
+    their lease TTL (60 s), so the next request is admitted."""
+    import anyio
+
+    pools = [
+        Limiter(redis_url, {"ip": POOL}, prefix=f"{prefix}{i}", deadline=1.0) for i in range(2)
+    ]
+    entered = asyncio.Event()
+
+    app = FastAPI()
+
+    @app.get("/", dependencies=[Depends(RateLimit(pools[1], keys={"ip": CLIENT_IP}))])
+    async def root(slow: int = 0) -> dict[str, bool]:
+        if slow:
+            entered.set()
+            await asyncio.sleep(30)
+        return {"ok": True}
+
+    app.add_middleware(RateLimitMiddleware, limiter=pools[0])
+
+    async def timeout(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        with anyio.move_on_after(0.5):
+            await app(scope, receive, send)
+            return
+        await PlainTextResponse("timed out", 504)(scope, receive, send)
+
+    try:
+        async with serve(timeout) as client:
+            first = await client.get("/?slow=1")
+            async with asyncio.timeout(5):
+                await entered.wait()
+            for _ in range(20):
+                left = [(await pool.peek(f"ip:{IP}")).remaining for pool in pools]
+                if left == [1, 1]:
+                    break
+                await asyncio.sleep(0.1)
+            second = await client.get("/")
+    finally:
+        for pool in pools:
+            await pool.aclose()
+    assert first.status_code == 504
+    assert left == [1, 1], f"slots still held after the request ended: {left}"
+    assert second.status_code == 200
