@@ -213,14 +213,31 @@ async def release_quietly(decision: Decision, limiter: Limiter | None = None) ->
     limiter's deadline (else ``RELEASE_WAIT``): a store that fails or does not answer delays
     no response longer, and is only logged; the release goes on in the background (see
     ``Lease.release``), and the lease expires at its TTL at the latest."""
+    started = _start_release(decision, limiter)
+    if started is not None:
+        await _released([started])
+
+
+def _start_release(
+    decision: Decision, limiter: Limiter | None
+) -> tuple[asyncio.Future[None], float] | None:
+    """Starts releasing a decision's lease in a task of its own, before anything is awaited:
+    a request cancelled by a cancel scope (a request timeout around the app) runs its
+    cleanup where every ``await`` is cancelled again, and a release started only after one
+    would never start. Returns the task and how long to wait for it."""
     lease = decision.lease
     if lease is None or lease.released or (limiter is not None and limiter.closed):
-        return  # (a closed limiter's leases expire at their TTL)
+        return None  # (a closed limiter's leases expire at their TTL)
     deadline = None if limiter is None else limiter._failure.deadline_seconds
-    wait = deadline or RELEASE_WAIT
     task = asyncio.ensure_future(lease.release())
     task.add_done_callback(_log_release)
-    await asyncio.wait((task,), timeout=wait)  # (never cancels the release itself)
+    return task, deadline or RELEASE_WAIT
+
+
+async def _released(started: Sequence[tuple[asyncio.Future[None], float]]) -> None:
+    """Waits for started releases, together, at most the longest of their waits (never
+    cancelling a release itself)."""
+    await asyncio.wait([task for task, _ in started], timeout=max(wait for _, wait in started))
 
 
 def _lease_ttl(decision: Decision) -> float | None:
@@ -397,25 +414,31 @@ class Verdict:
         """Refunds the real charges not given back yet: all of them (a later refusal, which
         also releases their leases), or with ``on_error`` those whose layers asked for
         ``refund_on_error`` (the request failed)."""
+        releasing = []
         if not on_error:
             self._stop_renewing()
+            releasing = self._start_releases()
         for charge in self.charges:
             if charge.refundable and (charge.refund or not on_error):
                 charge.given_back = True
                 ids = charge.refund_ids if on_error else charge.ids
                 await refund_quietly(charge.limiter, ids, charge.weight, charge.decision)
-            if not on_error:
-                await release_quietly(charge.decision, charge.limiter)
+        if releasing:
+            await _released(releasing)
 
     async def release(self) -> None:
         """The request is over: the ``Concurrency`` slots its admissions hold are released
         (a ``Concurrency`` limit counts requests in flight, not requests per lease TTL)."""
         self._stop_renewing()
-        leased = [c for c in self.charges if c.decision.lease is not None]
-        if len(leased) == 1:
-            await release_quietly(leased[0].decision, leased[0].limiter)
-        elif leased:  # together: a store that does not answer costs one wait, not one each
-            await asyncio.gather(*(release_quietly(c.decision, c.limiter) for c in leased))
+        # All started before anything is awaited, and waited for together: a store that
+        # does not answer costs one wait, not one each.
+        releasing = self._start_releases()
+        if releasing:
+            await _released(releasing)
+
+    def _start_releases(self) -> list[tuple[asyncio.Future[None], float]]:
+        started = (_start_release(c.decision, c.limiter) for c in self.charges)
+        return [item for item in started if item is not None]
 
     def keep_leases(self) -> None:
         """While the request runs, its leases are renewed every third of their TTL, so a
