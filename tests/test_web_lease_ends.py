@@ -318,3 +318,36 @@ async def test_a_request_timed_out_by_an_outer_cancel_scope_frees_every_limiters
     assert first.status_code == 504
     assert left == [1, 1], f"slots still held after the request ended: {left}"
     assert second.status_code == 200
+
+
+async def test_aiohttp_a_streamed_body_that_fails_is_given_back_and_frees_its_slot(
+    redis_url: str, prefix: str
+) -> None:
+    """The layer sends a streamed body itself while it holds a slot (above): a body that
+    fails half-way is the app's failure, given back under ``refund_on_error``, and the
+    slot comes back; the next request is served."""
+    limiter = Limiter(redis_url, {"ip": [*POOL, Limit(100, per=60, precision=1)]}, prefix=prefix)
+
+    async def broken() -> AsyncIterator[bytes]:
+        yield b"half"
+        raise RuntimeError("the body failed")
+
+    async def download(request: web.Request) -> web.Response:
+        if request.query.get("fail"):
+            return web.Response(body=broken())
+        return web.Response(text="whole")
+
+    app = web.Application(middlewares=[aio.rate_limit_middleware(limiter, refund_on_error=True)])
+    app.router.add_get("/", download)
+    try:
+        async with running(app) as base, aiohttp.ClientSession(base) as session:
+            with pytest.raises(aiohttp.ClientError):
+                async with session.get("/?fail=1") as response:
+                    await response.read()
+            async with session.get("/") as response:
+                served = response.status, await response.text()
+        after = await limiter.peek(f"ip:{IP}")
+    finally:
+        await limiter.aclose()
+    assert served == (200, "whole")
+    assert [pair.remaining for pair in after.details] == [1, 99]  # (only the second charged)
