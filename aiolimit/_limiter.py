@@ -452,8 +452,12 @@ class Limiter:
                 return screened
             plans = screened
         decision = await self._try_store(plans, weight, max_wait_us)
-        if not decision.allowed and self._rules_special and not decision.degraded:
+        if not self._rules_special:
+            return decision
+        if not decision.allowed and not decision.degraded:
             decision = await self._unshadow(plans, weight, max_wait_us, decision)
+        if decision.details and any(plan.shadow for plan in plans):
+            decision = _enforced_summary(decision, {p.identifier for p in plans if p.shadow})
         return decision
 
     def _screen(self, plans: list[IdentifierPlan]) -> list[IdentifierPlan] | Decision:
@@ -907,6 +911,28 @@ class _BreakerOpen(BackendUnavailable):
 
 #: Shadow refusals are logged at most once per this many seconds (with their count).
 SHADOW_LOG_INTERVAL = 10.0
+
+
+def _enforced_summary(decision: Decision, shadowed: set[str]) -> Decision:
+    """``decision`` with its summary (``remaining``, ``retry_after``, ``reset_after``, the
+    binding pair) made from the enforced pairs alone. Shadow pairs are decided and charged as
+    usual and stay in ``details``, but they never refuse: a shadow rule with less left, or a
+    longer wait, must not be what the caller reads (nor what ``acquire`` waits for, nor what a
+    web layer advertises). With no enforced pair left, it reads as a call with no limits."""
+    details = decision.details
+    if not any(pair.identifier in shadowed for pair in details):
+        return decision
+    merged = Decision.from_pairs(tuple(p for p in details if p.identifier not in shadowed))
+    return dataclasses.replace(
+        decision,
+        remaining=merged.remaining,
+        retry_after=decision.retry_after if decision.allowed else merged.retry_after,
+        reset_after=merged.reset_after,
+        identifier=merged.identifier,
+        limit=merged.limit,
+    )
+
+
 _shadow_log = {"at": -math.inf, "count": 0}
 
 
