@@ -273,6 +273,16 @@ def _log_release(task: asyncio.Task[None]) -> None:
                        error)  # fmt: skip
 
 
+def _log_refund(task: asyncio.Task[None]) -> None:
+    """What a web layer's refund met beyond a store failure (``refund_quietly`` logs those):
+    logged, as nobody may be left to read it."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is not None:
+        logger.error("aiolimit: giving a request's charge back failed: %r", error)
+
+
 # -- one request ----------------------------------------------------------------------------
 
 
@@ -418,11 +428,22 @@ class Verdict:
         if not on_error:
             self._stop_renewing()
             releasing = self._start_releases()
+        # Every refund is started before any is awaited (as the releases are): a cleanup
+        # inside a cancelled scope (a request timeout) has each ``await`` cancelled again, and
+        # a refund started only after one would never start. Once started, a refund finishes
+        # whatever happens to the request (``refund_quietly``).
+        refunds = []
         for charge in self.charges:
             if charge.refundable and (charge.refund or not on_error):
                 charge.given_back = True
                 ids = charge.refund_ids if on_error else charge.ids
-                await refund_quietly(charge.limiter, ids, charge.weight, charge.decision)
+                task = asyncio.ensure_future(
+                    refund_quietly(charge.limiter, ids, charge.weight, charge.decision)
+                )
+                task.add_done_callback(_log_refund)
+                refunds.append(task)
+        if refunds:
+            await asyncio.wait(refunds)  # (never cancels them, nor raises what they met)
         if releasing:
             await _released(releasing)
 
