@@ -1,0 +1,76 @@
+"""What a cluster limiter answers while one node's breaker is open (from an adversarial
+review of the failure policy).
+
+A private cluster without replicas (node timeout 15 s: a SIGSTOPped primary is never failed
+over while a test runs); one primary is frozen until its breaker opens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from redis.crc import key_slot
+
+import cluster
+from aiolimit import Limit, Limiter, RateLimited
+from aiolimit._keys import main_key
+
+pytestmark = [pytest.mark.cluster]
+
+RECOVERY = 2.0
+
+
+@pytest.fixture(scope="module")
+def calm() -> Iterator[cluster.Cluster]:
+    nodes = cluster.start_cluster(replicas_per_primary=0, node_timeout_ms=15000)
+    with nodes:
+        yield nodes
+
+
+def on_node(nodes: cluster.Cluster, prefix: str, node: cluster.Node) -> str:
+    return next(
+        f"n:{i}"
+        for i in range(10_000)
+        if nodes.node_for_slot(key_slot(main_key(prefix, f"n:{i}").encode())).port == node.port
+    )
+
+
+async def test_closed_policy_tells_when_a_frozen_nodes_breaker_will_probe(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    """on_error="closed": while a node's breaker is open, a decision that needs that node is
+    refused with retry_after = the time left before the breaker's probe (about
+    recovery_time), not 1 ms; so acquire(timeout) shorter than that raises RateLimited at
+    once instead of asking the breaker a thousand times a second."""
+    frozen = calm.primaries()[0]
+    ident = on_node(calm, prefix, frozen)
+    limiter = Limiter(
+        calm.url,
+        [Limit(10, per=60)],
+        prefix=prefix,
+        deadline=0.3,
+        on_error="closed",
+        failure_threshold=1,
+        recovery_time=RECOVERY,
+    )
+    try:
+        await limiter.peek(ident)
+        frozen.pause()
+        failed = await limiter.try_acquire(ident)  # the deadline: the node's breaker opens
+        assert failed.degraded and not failed.allowed
+        short = await limiter.try_acquire(ident)
+        assert short.degraded and not short.allowed
+        assert short.retry_after > RECOVERY / 2, short
+        before = limiter.statistics()
+        started = time.monotonic()
+        with pytest.raises(RateLimited):
+            await limiter.acquire(ident, timeout=0.5)
+        took = time.monotonic() - started
+        after = limiter.statistics()
+    finally:
+        calm.heal()
+        await limiter.aclose()
+    assert took < 0.1, took
+    assert after.decisions - before.decisions == 1, (before, after)
