@@ -108,7 +108,9 @@ class CircuitBreaker:
         """Seconds until the breaker will let a probe through (a hint for refused callers)."""
         if self.state == "open":
             return max(0.0, self._opened_at + self.recovery_time - time.monotonic())
-        return self.recovery_time if self.state == "half_open" else 0.0
+        if self.state == "half_open" and self._probing:
+            return self.recovery_time  # (the probe in flight ends by then, or opens it again)
+        return 0.0
 
     def record_success(self) -> None:
         self._consecutive = 0
@@ -376,9 +378,13 @@ class FailurePolicy:
             wheel = wheels[loop, seconds] = _DeadlineWheel(loop)
         return wheel
 
-    def short_circuit(self) -> Decision:
-        """The answer while the breaker is open: the policy's, or ``BackendUnavailable``."""
-        return self._answer(BackendUnavailable("circuit breaker open: the store is not asked"))
+    def short_circuit(self, breakers: tuple[CircuitBreaker, ...] | None = None) -> Decision:
+        """The answer while a breaker of ``breakers`` (default: the store's) is open: the
+        policy's, or ``BackendUnavailable``."""
+        return self._answer(
+            BackendUnavailable("circuit breaker open: the store is not asked"),
+            (self.breaker,) if breakers is None else breakers,
+        )
 
     def failed(
         self, error: BackendError, breakers: tuple[CircuitBreaker, ...] | None = None
@@ -397,7 +403,7 @@ class FailurePolicy:
                 breaker.record_failure(error)
             else:
                 breaker.record_abandoned()
-        return self._answer(error)
+        return self._answer(error, breakers)
 
     def check_open(self) -> None:
         """For calls without a degraded answer (refund): fail fast while the breaker is open.
@@ -407,7 +413,11 @@ class FailurePolicy:
         if self.breaker.state == "open" and self.breaker.retry_after() > 0:
             raise BackendUnavailable("circuit breaker open: the store is not asked")
 
-    def _answer(self, error: BackendError) -> Decision:
+    def _answer(self, error: BackendError, breakers: tuple[CircuitBreaker, ...]) -> Decision:
+        """The policy's decision. A refusal's ``retry_after`` is when the last of the
+        decision's ``breakers`` lets a probe through: on a cluster the breaker that is open
+        is a node's, and the store's own (never used there) would say "now", sending
+        ``acquire`` back to the breaker every millisecond."""
         on_error = self.on_error
         if on_error == "raise":
             _reraise(error)
@@ -415,7 +425,7 @@ class FailurePolicy:
         self._log_degraded(error)
         if on_error == "open":
             return Decision(True, 0, 0.0, 0.0, None, None, (), degraded=True)
-        wait = max(self.breaker.retry_after(), 0.001)
+        wait = max(max(breaker.retry_after() for breaker in breakers), 0.001)
         return Decision(False, 0, wait, wait, None, None, (), degraded=True)
 
     def _log_degraded(self, error: BackendError) -> None:

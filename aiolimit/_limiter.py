@@ -295,7 +295,7 @@ class Limiter:
                 if not breaker.allow():
                     for taken in breakers[:index]:
                         taken.record_abandoned()
-                    return failure.short_circuit()
+                    return failure.short_circuit(breakers)
         scope = failure.deadline()
         try:
             # ``async with scope`` written out: two coroutines fewer per decision.
