@@ -46,6 +46,10 @@ DEFAULT_SAMPLES = 5
 DEFAULT_DRIFT_PPM = 100.0
 #: Seconds a TIME request may take, retries included, outside a decision's deadline.
 DEFAULT_DEADLINE = 5.0
+#: Seconds one reload of a cluster's slot map (CLUSTER SLOTS to one startup node) may take
+#: before the next try asks another node: a frozen one would hold the reload until the
+#: deadline. A healthy node answers in well under a millisecond.
+REFRESH_TIMEOUT = 0.05
 
 
 def _open(authority: object, socket_timeout: float) -> tuple[Redis | RedisCluster, bool, str]:
@@ -111,6 +115,7 @@ class AuthorityClock:
         self._rtt = 0.0
         self._sampled_at = 0.0
         self._lock: asyncio.Lock | None = None
+        self._set_up = False  # a cluster client has loaded its command table once
         #: TIME requests sent (each sample and each uncached ``now_us`` is one round trip).
         self.round_trips = 0
 
@@ -183,12 +188,37 @@ class AuthorityClock:
     async def _ask(self) -> int:
         client = self._client
         if isinstance(client, RedisCluster):
-            await client.initialize()
+            await self._load_slot_map(client)
             node = client.get_node_from_key(_SLOT_ZERO_KEY)
-            reply: Sequence[Any] = await client.execute_command("TIME", target_nodes=node)
+            try:
+                reply: Sequence[Any] = await client.execute_command("TIME", target_nodes=node)
+            except asyncio.CancelledError:
+                # Cut at the deadline: the node may be frozen (it accepts TCP and never
+                # answers, so redis-py sees no error and keeps its map). Reloaded before the
+                # next TIME, the map names slot 0's new owner once a replica has taken over.
+                client._initialize = True
+                raise
         else:
             reply = await client.execute_command("TIME")  # type: ignore[no-untyped-call]
         return _time_us(reply)
+
+    async def _load_slot_map(self, client: RedisCluster) -> None:
+        """Loads the slot map if it is not loaded or was dropped, each try cut at
+        ``REFRESH_TIMEOUT`` (the next asks the startup nodes in a new random order) until
+        the attempt's own deadline cuts it. Once set up, only the map is reloaded:
+        ``RedisCluster.initialize`` also asks the first primary for ``COMMAND``, and a frozen
+        first primary would hold every TIME up."""
+        while client._initialize:
+            try:
+                async with asyncio.timeout(REFRESH_TIMEOUT):
+                    if self._set_up:
+                        await client.nodes_manager.initialize()
+                        client._initialize = False
+                    else:
+                        await client.initialize()
+                        self._set_up = True
+            except TimeoutError:
+                continue
 
     # --- lifecycle ---------------------------------------------------------------------------
 

@@ -214,6 +214,16 @@ class ClusterStore(Store):
             except TimeoutError:
                 self._stats.slow_refreshes += 1
 
+    def _suspect_slot_map(self) -> None:
+        """A node gave no answer in time: the next call reloads the slot map first.
+
+        A frozen (SIGSTOPped) node accepts TCP and never answers, so redis-py meets no
+        connection error and never drops its map by itself: after the node's replica took
+        over, every call on its slots would still go to it. One bounded reload per silent
+        node costs a CLUSTER SLOTS; while the node is only slow, the map comes back the same.
+        """
+        self.client._initialize = True
+
     def fault_domain(self, key: str) -> str:
         """The node that serves ``key``'s slot (per the client's slot map), or "" if unknown."""
         try:
@@ -250,9 +260,13 @@ class ClusterStore(Store):
             self._stats.redirects += 1
 
         async def attempt() -> Reply:
-            if is_noscript(first):
-                return await self._send("EVAL", keys, args)
-            return await self._eval(keys, args)
+            try:
+                if is_noscript(first):
+                    return await self._send("EVAL", keys, args)
+                return await self._eval(keys, args)
+            except asyncio.CancelledError:  # cut at the deadline (or the caller gave up)
+                self._suspect_slot_map()
+                raise
 
         try:
             return await call_with_retries(
@@ -388,6 +402,8 @@ class ClusterStore(Store):
             results += [exc] * (expected - len(results))
             if connection is not None:  # replies may still be on their way
                 await connection.disconnect(nowait=True)
+            if isinstance(exc, TimeoutError):
+                self._suspect_slot_map()
         except BaseException:  # cancelled: the calls without a reply may or may not have run
             if connection is not None:
                 await connection.disconnect(nowait=True)
