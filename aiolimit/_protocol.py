@@ -150,7 +150,8 @@ UNDO_PATIENCE = 300.0
 #: Seconds a cross-slot check phase may take before its commit reads the clock again. The
 #: commit reuses the time the check read (a TIME authority is asked once per decision); after
 #: a slow check (a node busy, a call retried through a failover) that time is seconds old, and
-#: the charge would be judged then: it would leave its window that much early.
+#: the charge would be judged then: it would leave its window that much early. Measured on
+#: the clock's own ``monotonic`` (a manual clock's time moves only when told to).
 STALE_CHECK = 0.02
 
 #: A time the scripts store exactly: whole µs below 2**53 (Lua numbers are doubles).
@@ -376,13 +377,13 @@ class Protocol:
                     # must not hold a place on its other keys, which healthy calls on them
                     # would queue for (fault isolation). A refusal ends the call here.
                     now_us = None if self._server_time else await client_now(self._clock)
-                    began = time.monotonic()
+                    began = self._clock.monotonic()
                     refused = await self._check_phase(groups, weight, max_wait_us, now_us)
                     if refused is not None:
                         self._count_slots(len(groups))
                         return refused
                     checked = True
-                    if now_us is not None and time.monotonic() - began > STALE_CHECK:
+                    if now_us is not None and self._clock.monotonic() - began > STALE_CHECK:
                         now_us = READ_CLOCK  # (the commit re-checks at the time it reads)
             in_flight, queued = self._in_flight, self._queued
             for key in keys:
