@@ -183,6 +183,10 @@ async def test_a_cluster_client_passed_in_is_used_and_left_open(
         (("redis://127.0.0.1:1",), {"max_age": True}),
         (("redis://127.0.0.1:1",), {"samples": 0}),
         (("redis://127.0.0.1:1",), {"drift_ppm": -1}),
+        (("redis://127.0.0.1:1",), {"socket_timeout": "2"}),
+        (("redis://127.0.0.1:1",), {"socket_timeout": -1}),
+        (("redis://127.0.0.1:1",), {"socket_timeout": 0}),
+        (("redis+cluster://127.0.0.1:1",), {"socket_timeout": None}),
     ],
 )
 def test_bad_arguments_fail_at_construction(args: tuple, kwargs: dict) -> None:
