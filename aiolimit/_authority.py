@@ -40,7 +40,7 @@ from aiolimit._connection import (
 from aiolimit._deadline import current_deadline
 from aiolimit._errors import ConfigurationError
 from aiolimit._retry import call_with_retries
-from aiolimit._validation import check_int, check_number, check_optional_seconds
+from aiolimit._validation import check_int, check_number, check_optional_seconds, check_seconds
 
 DEFAULT_SAMPLES = 5
 DEFAULT_DRIFT_PPM = 100.0
@@ -104,6 +104,7 @@ class AuthorityClock:
         max_age = check_optional_seconds("max_age", max_age, 0, 86400, open_low=True)
         samples = check_int("samples", samples, 1, 100)
         drift_ppm = check_number("drift_ppm", drift_ppm, 0, 10_000)
+        socket_timeout = check_seconds("socket_timeout", socket_timeout, 0, 300, open_low=True)
         if not callable(time_source):
             raise ConfigurationError(f"time_source must be callable, got {time_source!r}")
         self.max_age = max_age
