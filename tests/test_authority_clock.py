@@ -11,10 +11,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from _proxy import Proxy
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from aiolimit import AuthorityClock, ConfigurationError, Limit, Limiter, LocalClock
+from aiolimit import AuthorityClock, BackendError, ConfigurationError, Limit, Limiter, LocalClock
 
 SKEWS = (-5.0, 0.0, 5.0)
 # 3 per 2 s, judged in 0.1 s buckets: a clock 5 s off judges by a window with none of the
@@ -193,3 +194,32 @@ def test_bad_arguments_fail_at_construction(args: tuple, kwargs: dict) -> None:
     """A wrong URL, client or option is a ConfigurationError when the clock is built."""
     with pytest.raises(ConfigurationError):
         AuthorityClock(*args, **kwargs)
+
+
+async def test_a_slow_authority_still_gets_its_offset_cached(
+    redis_url: str, standalone_proxy: Proxy, prefix: str
+) -> None:
+    """The authority answers, but 0.3 s late (a proxy in front of it): the five samples of a
+    cached offset take 1.5 s, more than the limiter's 1 s deadline. The samples taken before
+    the deadline are kept (``error_bound`` says how good they are), so the next decisions
+    run on the cached offset instead of every one of them starting the sampling over and
+    failing at the deadline."""
+    standalone_proxy.delay = 0.3
+    clock = AuthorityClock(standalone_proxy.url, max_age=30)
+    limiter = Limiter(redis_url, LIMITS, prefix=prefix, clock=clock, deadline=1.0)
+    outcomes: list[tuple[float, str]] = []
+    try:
+        for _ in range(3):
+            started = time.monotonic()
+            try:
+                await limiter.try_acquire("ip:203.0.113.7")
+                outcome = "decided"
+            except BackendError as error:
+                outcome = type(error).__name__
+            outcomes.append((round(time.monotonic() - started, 2), outcome))
+    finally:
+        await limiter.aclose()
+        await clock.aclose()
+    assert [outcome for _, outcome in outcomes[1:]] == ["decided", "decided"], outcomes
+    assert all(took < 0.2 for took, _ in outcomes[1:]), outcomes
+    assert clock.error_bound >= 0.15  # half a round trip of at least 0.3 s
