@@ -20,6 +20,7 @@ successor), so every client picks the same node without being told.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -155,18 +156,27 @@ class AuthorityClock:
         return self._rtt / 2 + age * self.drift_ppm / 1_000_000 + 0.000_001
 
     async def synchronize(self) -> None:
-        """Samples the authority now (cached mode), whatever the age of the last sample."""
-        best: tuple[float, int, float] | None = None  # (rtt, offset µs, local midpoint)
-        for _ in range(self.samples):
+        """Samples the authority now (cached mode), whatever the age of the last sample.
+
+        The best sample so far is kept as it comes: a slow authority whose samples do not
+        all fit the running decision's deadline still leaves an offset (``error_bound`` says
+        how good), and later decisions use it rather than each starting over and failing at
+        the deadline. No sample is begun that the deadline would cut anyway.
+        """
+        best_rtt = math.inf
+        for taken in range(self.samples):
+            deadline = current_deadline()
+            if taken and deadline is not None and time.monotonic() + best_rtt > deadline:
+                break
             sent = self._time_source()
             server = await self._server_time()
             received = self._time_source()
             rtt = max(received - sent, 0.0)
             middle = (sent + received) / 2
-            if best is None or rtt < best[0]:
-                best = (rtt, server - round(middle * 1_000_000), received)
-        assert best is not None
-        self._rtt, self._offset_us, self._sampled_at = best
+            if taken == 0 or rtt < best_rtt:
+                best_rtt = rtt
+                self._rtt, self._sampled_at = rtt, received
+                self._offset_us = server - round(middle * 1_000_000)
 
     async def _resample_once(self) -> None:
         if self._lock is None:
