@@ -73,3 +73,71 @@ async def test_a_slow_check_phase_does_not_date_the_commit_back(
         await limiter.aclose()
         await clock.aclose()
     assert again == [], f"a admitted again {again} s after the decision on [a, b]"
+
+
+async def remaining(url: str, prefix: str, ident: str, limits: list[Limit]) -> int:
+    """A fresh limiter's peek (server time, no ledger, no cache): what is stored now."""
+    async with Limiter(url, limits, prefix=prefix, deadline=2.0) as fresh:
+        decision = await fresh.peek(ident)
+        return min(pair.remaining for pair in decision.details)
+
+
+async def settle(limiter: Limiter, within: float = 10.0) -> None:
+    """Waits until the limiter's background undos and the store's pipelines are done."""
+    protocol = limiter._protocol
+    batcher = protocol._store._batcher  # type: ignore[attr-defined]
+    stop = time.monotonic() + within
+    while protocol._tasks or not batcher.idle:
+        assert time.monotonic() < stop, "background work did not settle"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("max_age", [None, 30.0])
+@pytest.mark.parametrize("frozen", ["data", "authority"])
+async def test_racing_acquirers_judged_by_an_authority_across_a_freeze(
+    calm: cluster.Cluster, prefix: str, frozen: str, max_age: float | None
+) -> None:
+    """Three limiters with a TIME authority each (exact, or a cached offset) race 150 tasks
+    on [a, b], [a] and [b] under a limit of 5, while b's primary (or the authority, which
+    serves neither) is frozen for 0.6 s (deadline 0.3 s, on_error="open"). Admitted weight
+    per identifier is never above 5, and once the undos settle stored == admitted."""
+    limits = [Limit(5, per=3600)]
+    authority = calm.node_for_slot(0)
+    others = [node for node in calm.primaries() if node.port != authority.port]
+    a, b = on_node(calm, prefix, "a", others[0]), on_node(calm, prefix, "b", others[1])
+    stopped = others[1] if frozen == "data" else authority
+    clocks = [AuthorityClock(calm.url, max_age=max_age) for _ in range(3)]
+    limiters = [
+        Limiter(calm.url, limits, prefix=prefix, clock=clock, deadline=0.3, on_error="open")
+        for clock in clocks
+    ]
+    counts = {a: 0, b: 0}
+
+    async def one(n: int) -> None:
+        await asyncio.sleep(0.004 * n)
+        ids = [[a, b], [a], [b]][n % 3]
+        decision = await limiters[(n // 3) % 3].try_acquire(ids)
+        if decision.allowed and not decision.degraded:
+            for ident in ids:
+                counts[ident] += 1
+
+    async def freeze() -> None:
+        await asyncio.sleep(0.05)
+        stopped.pause()
+        await asyncio.sleep(0.6)
+        stopped.resume()
+
+    try:
+        await asyncio.gather(*(limiter.peek([a, b]) for limiter in limiters))
+        await asyncio.wait_for(asyncio.gather(freeze(), *(one(n) for n in range(150))), 20)
+        for limiter in limiters:
+            await settle(limiter)
+    finally:
+        calm.heal()
+        for limiter in limiters:
+            await asyncio.wait_for(limiter.aclose(), 15)
+        for clock in clocks:
+            await clock.aclose()
+    stored = {ident: 5 - await remaining(calm.url, prefix, ident, limits) for ident in (a, b)}
+    assert 0 < counts[a] <= 5 and 0 < counts[b] <= 5, counts
+    assert stored == counts, f"admitted {counts}, stored {stored}"
