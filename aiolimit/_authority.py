@@ -214,20 +214,20 @@ class AuthorityClock:
         return _time_us(reply)
 
     async def _load_slot_map(self, client: RedisCluster) -> None:
-        """Loads the slot map if it is not loaded or was dropped, each try cut at
-        ``REFRESH_TIMEOUT`` (the next asks the startup nodes in a new random order) until
-        the attempt's own deadline cuts it. Once set up, only the map is reloaded:
+        """Sets the client up once (slot map and command table, within the attempt's
+        deadline), then reloads the slot map whenever it was dropped, each try cut at
+        ``REFRESH_TIMEOUT`` (the next asks the startup nodes in a new random order) until the
+        attempt's deadline cuts it. A reload asks for the slot map alone:
         ``RedisCluster.initialize`` also asks the first primary for ``COMMAND``, and a frozen
         first primary would hold every TIME up."""
+        if not self._set_up:
+            await client.initialize()
+            self._set_up = True
         while client._initialize:
             try:
                 async with asyncio.timeout(REFRESH_TIMEOUT):
-                    if self._set_up:
-                        await client.nodes_manager.initialize()
-                        client._initialize = False
-                    else:
-                        await client.initialize()
-                        self._set_up = True
+                    await client.nodes_manager.initialize()
+                    client._initialize = False
             except TimeoutError:
                 continue
 
