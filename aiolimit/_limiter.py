@@ -834,19 +834,25 @@ class Limiter:
     async def reset(self, ids: Identifiers) -> None:
         """Forgets everything stored for these identifiers: their keys under the rules in
         force (following the rules in Redis: the identifier's override, looked up if need
-        be), and under the rules the limiter was made with."""
+        be), and under the rules the limiter was made with. Within the limiter's deadline,
+        like a refund: past it, or at once while the breaker is open, ``BackendUnavailable``
+        (the keys may or may not be gone)."""
         if self._follower is not None:
             unread = await self._follow(ids, strict=True)
             if unread is not None:
                 raise unread
         plans = self._rules.plans(ids)
         self._check_usable()
+        self._failure.check_open()
         refusals = self._refusals
         if refusals is not None:
             refusals.forget(plan.identifier for plan in plans)
         try:
-            for plan in plans:
-                await self._store.delete(self._every_key(plan))
+            # Under the deadline, as a refund is: a limiter with a deadline opens its
+            # connections without a socket timeout, and a stopped server never answers.
+            async with self._failure.deadline():
+                for plan in plans:
+                    await self._store.delete(self._every_key(plan))
         finally:
             if refusals is not None:
                 refusals.forget(plan.identifier for plan in plans)
