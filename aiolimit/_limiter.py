@@ -157,6 +157,7 @@ class Limiter:
         if not isinstance(self.clock, Clock):
             raise ConfigurationError(f"clock must implement aiolimit.Clock, got {clock!r}")
         self._protocol = Protocol(self._store, self.clock, penalty=count_refused)
+        self._protocol.renew_deadline = self._failure.deadline_seconds
         if self._refusals is not None:
             refusals = self._refusals
             # An undo (a cross-slot compensation, or a failed call's, finished in the

@@ -257,6 +257,9 @@ class Protocol:
         self.statistics = ProtocolStatistics()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False  # (aclose has begun: no new background work)
+        #: Seconds a lease renewal may take (the limiter's deadline; None: unbounded). It is
+        #: no decision, but a store opened for a deadline has no socket timeout of its own.
+        self.renew_deadline: float | None = None
         #: Called with the plans of an undo (a cross-slot compensation, or one finished in
         #: the background) or of a refund finished in the background, once the store has
         #: answered it: capacity may have come back while refusals were being cached, and
@@ -724,7 +727,19 @@ class Protocol:
         is cancelled."""
         assert mode in (RELEASE, RENEW)
         if mode is RENEW:
-            return await self.decide(RENEW, plans, weight, op)
+            seconds = self.renew_deadline
+            if seconds is None:
+                return await self.decide(RENEW, plans, weight, op)
+            token = DECISION_DEADLINE.set(time.monotonic() + seconds)
+            try:
+                async with asyncio.timeout(seconds):
+                    return await self.decide(RENEW, plans, weight, op)
+            except TimeoutError as error:
+                raise BackendUnavailable(
+                    f"no answer within {seconds:g} s renewing lease {op.id}"
+                ) from error
+            finally:
+                DECISION_DEADLINE.reset(token)
 
         async def release() -> Decision:
             # What follows the release runs in its own task, whether or not its caller is
