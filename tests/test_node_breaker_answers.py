@@ -14,7 +14,7 @@ import pytest
 from redis.crc import key_slot
 
 import cluster
-from aiolimit import Limit, Limiter, RateLimited
+from aiolimit import BackendError, Limit, Limiter, RateLimited
 from aiolimit._keys import main_key
 
 pytestmark = [pytest.mark.cluster]
@@ -74,3 +74,31 @@ async def test_closed_policy_tells_when_a_frozen_nodes_breaker_will_probe(
         await limiter.aclose()
     assert took < 0.1, took
     assert after.decisions - before.decisions == 1, (before, after)
+
+
+async def test_reset_on_a_healthy_node_while_another_is_frozen(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    """A decision on the frozen slot-0 primary fails at its deadline (the client then
+    reloads its slot map before its next call); a reset and a decision on another node
+    still answer at once: the reload skips the frozen node, and asks no one for COMMAND."""
+    frozen = calm.node_for_slot(0)
+    healthy = next(node for node in calm.primaries() if node.port != frozen.port)
+    stuck, free = on_node(calm, prefix, frozen), on_node(calm, prefix, healthy)
+    limiter = Limiter(calm.url, [Limit(10, per=60)], prefix=prefix, deadline=0.5)
+    took: list[float] = []
+    try:
+        await limiter.try_acquire([stuck])
+        await limiter.try_acquire([free])
+        frozen.pause()
+        with pytest.raises(BackendError):
+            await limiter.try_acquire(stuck)
+        for _ in range(5):
+            started = time.monotonic()
+            await limiter.reset(free)
+            took.append(time.monotonic() - started)
+            assert (await limiter.try_acquire(free)).allowed
+    finally:
+        calm.heal()
+        await limiter.aclose()
+    assert max(took) < 0.3, took
