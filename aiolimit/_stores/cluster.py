@@ -441,12 +441,13 @@ class ClusterStore(Store):
         if not keys:
             return
 
+        deadline = time.monotonic() + self.deadline
+
         async def attempt() -> None:
+            await self._refresh(deadline)  # (a map dropped is reloaded here, cut short)
             await self.client.unlink(*keys)  # a large log is freed off Redis' main thread
 
-        await call_with_retries(
-            attempt, deadline=time.monotonic() + self.deadline, address=self.address
-        )
+        await call_with_retries(attempt, deadline=deadline, address=self.address)
 
     def default_clock(self) -> Clock:
         return ServerClock()
@@ -457,12 +458,15 @@ class ClusterStore(Store):
             await close_cluster_client(self.client)
 
     async def command(self, *args: Arg) -> Any:
+        deadline = time.monotonic() + self.deadline
+
         async def attempt() -> Any:
+            # A map dropped (a node gave no answer in time) is reloaded here, cut short:
+            # redis-py's own reload would also ask the first primary for COMMAND.
+            await self._refresh(deadline)
             return await self.client.execute_command(*args)
 
-        return await call_with_retries(
-            attempt, deadline=time.monotonic() + self.deadline, address=self.address
-        )
+        return await call_with_retries(attempt, deadline=deadline, address=self.address)
 
     async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
         """A plain SUBSCRIBE on one node: PUBLISH reaches every node of a cluster."""
