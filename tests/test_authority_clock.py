@@ -223,3 +223,18 @@ async def test_a_slow_authority_still_gets_its_offset_cached(
     assert [outcome for _, outcome in outcomes[1:]] == ["decided", "decided"], outcomes
     assert all(took < 0.2 for took, _ in outcomes[1:]), outcomes
     assert clock.error_bound >= 0.075  # half a round trip of at least 0.15 s
+
+
+@pytest.mark.parametrize(("max_age", "drift_ppm"), [(None, 100.0), (30, 100.0), (3600, 200.0)])
+def test_ttl_slack_covers_the_cached_offsets_error_both_ways(
+    max_age: float | None, drift_ppm: float
+) -> None:
+    """Keys are judged by the authority's clock and expire by their shard's: a key written by
+    a client whose cached ``now`` is ahead must outlive what a client whose ``now`` is behind
+    still counts in its window. The TTL slack (1 s for the exact authority) covers twice the
+    drift a cached offset may gather before it is resampled (max_age 3600 s at 200 ppm: 0.72 s
+    each way, 1.44 s in all)."""
+    clock = AuthorityClock("redis://127.0.0.1:1", max_age, drift_ppm=drift_ppm)
+    drift_ms = 0.0 if max_age is None else max_age * drift_ppm / 1000
+    assert clock.ttl_slack_ms >= 1000 + 2 * drift_ms
+    assert isinstance(clock.ttl_slack_ms, int)
