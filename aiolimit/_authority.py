@@ -88,7 +88,8 @@ class AuthorityClock:
     with``) when it opened its own client from a URL.
     """
 
-    #: Keys are judged by the authority's clock but expire by each shard's own; a little slack.
+    #: Keys are judged by the authority's clock but expire by each shard's own; a little slack
+    #: (with ``max_age``, more: twice the drift a cached offset may gather).
     ttl_slack_ms = 1000
     sleep_margin = 0.000_5
 
@@ -111,6 +112,13 @@ class AuthorityClock:
         self.max_age = max_age
         self.samples = samples
         self.drift_ppm = float(drift_ppm)
+        if max_age is not None:
+            # A cached ``now`` may drift this far before it is resampled, ahead on one client
+            # and behind on another: a key written by the first must outlive what the second
+            # still counts in its window.
+            self.ttl_slack_ms = AuthorityClock.ttl_slack_ms + math.ceil(
+                2 * max_age * self.drift_ppm / 1000
+            )
         self._time_source = time_source
         self._client, self._owns, self._address = _open(authority, socket_timeout)
         self._offset_us: int | None = None  # server µs - local µs, from the best sample
