@@ -75,3 +75,31 @@ async def test_decisions_follow_a_frozen_primarys_slots_to_its_promoted_replica(
         if clock is not None:
             await clock.aclose()
     assert took < 3.0, (took, errors[-3:])
+
+
+async def test_the_breaker_of_a_node_that_left_the_cluster_does_not_stay_open(
+    fresh_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """A frozen primary's breaker opens; its replica takes over and decisions go through
+    again. ``statistics().breaker`` (and the metrics' breaker state) then report closed:
+    the frozen node no longer serves any slot, so no decision will ever probe its breaker,
+    and an open breaker there would report the store as down for good."""
+    nodes = fresh_cluster
+    frozen = nodes.node_for_slot(0)
+    seed = next(node for node in nodes.primaries() if node.port != frozen.port)
+    url = f"redis+cluster://{seed.host}:{seed.port}"
+    ident = served_by(nodes, prefix, frozen, on=True)
+    limiter = Limiter(url, [Limit(1000, per=60)], prefix=prefix, deadline=0.5, failure_threshold=1)
+    try:
+        await limiter.try_acquire(ident)
+        frozen.pause()
+        with pytest.raises(BackendError):
+            await limiter.try_acquire(ident)
+        assert limiter.statistics().breaker.state == "open"
+        await asyncio.to_thread(nodes.wait_for_failover, frozen)
+        took, errors = await decide_until(limiter, ident, within=6.0)
+        assert took < 3.0, (took, errors[-3:])
+        state = limiter.statistics().breaker.state
+    finally:
+        await limiter.aclose()
+    assert state == "closed", state
