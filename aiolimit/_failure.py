@@ -333,6 +333,8 @@ class FailurePolicy:
         #: (``breaker_for``), so a frozen node's failures refuse only what needs that node.
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self._breakers: dict[str, CircuitBreaker] = {"": self.breaker}
+        #: The counters of the breakers ``forget_domains`` dropped (its state is unused).
+        self._retired = CircuitBreaker(name="retired")
         self.degraded = 0
         self.timeouts = 0
         #: The store's address, for messages (set by the limiter once its store is open).
@@ -444,15 +446,28 @@ class FailurePolicy:
         self._logged_at = now
         self._unlogged = 0
 
+    def forget_domains(self, serving: frozenset[str]) -> None:
+        """Drops the breakers of fault domains not in ``serving`` (nodes that left the
+        cluster, or a primary whose replica took over). No decision maps to such a node any
+        more, so none would probe its breaker: left open, it would report the store as down
+        for good. If the node serves again, it starts with a closed breaker."""
+        for domain in [d for d in self._breakers if d and d not in serving]:
+            gone = self._breakers.pop(domain)
+            retired = self._retired
+            retired.failures += gone.failures
+            retired.opened += gone.opened
+            retired.short_circuited += gone.short_circuited
+
     def statistics(self) -> BreakerStatistics:
         """Every breaker together: the worst state, the counters summed."""
         breakers = list(self._breakers.values())
         worst = max(breakers, key=lambda b: _SEVERITY[b.state])
+        retired = self._retired  # (the counters of breakers dropped: totals never go back)
         return BreakerStatistics(
             state=worst.state,
-            failures=sum(b.failures for b in breakers),
-            opened=sum(b.opened for b in breakers),
-            short_circuited=sum(b.short_circuited for b in breakers),
+            failures=retired.failures + sum(b.failures for b in breakers),
+            opened=retired.opened + sum(b.opened for b in breakers),
+            short_circuited=retired.short_circuited + sum(b.short_circuited for b in breakers),
             degraded=self.degraded,
             timeouts=self.timeouts,
         )

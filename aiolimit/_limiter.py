@@ -872,6 +872,9 @@ class Limiter:
     def statistics(self) -> LimiterStatistics:
         protocol = self._protocol.statistics
         follower = self._follower
+        serving = self._store.fault_domains()
+        if serving is not None:
+            self._failure.forget_domains(serving)
         return LimiterStatistics(
             **self._counts,
             multi_slot_decisions=protocol.multi_slot,

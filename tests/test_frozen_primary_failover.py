@@ -99,7 +99,8 @@ async def test_the_breaker_of_a_node_that_left_the_cluster_does_not_stay_open(
         await asyncio.to_thread(nodes.wait_for_failover, frozen)
         took, errors = await decide_until(limiter, ident, within=6.0)
         assert took < 3.0, (took, errors[-3:])
-        state = limiter.statistics().breaker.state
+        stats = limiter.statistics().breaker
     finally:
         await limiter.aclose()
-    assert state == "closed", state
+    assert stats.state == "closed", stats
+    assert stats.opened >= 1 and stats.failures >= 1, stats  # (totals never go back)

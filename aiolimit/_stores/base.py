@@ -71,6 +71,11 @@ class Store(ABC):
         "" for the whole store."""
         return ""
 
+    def fault_domains(self) -> frozenset[str] | None:
+        """Every fault domain that serves keys now (a cluster's primaries), or None when not
+        known (one domain, or no topology loaded yet)."""
+        return None
+
     def slot(self, key: str) -> int:
         """The slot of a key; keys of one slot can share a call. Single-node stores: 0."""
         return 0

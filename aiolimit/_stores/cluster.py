@@ -232,6 +232,11 @@ class ClusterStore(Store):
             return ""
         return node.name if node is not None else ""
 
+    def fault_domains(self) -> frozenset[str] | None:
+        """The primaries in the slot map; None before it is loaded."""
+        names = frozenset(node.name for node in self.client.get_primaries())
+        return names or None
+
     async def _send(self, command: str, keys: Sequence[str], args: Sequence[Arg]) -> Reply:
         await self._refresh(self._deadline())
         body = self._script.sha if command == "EVALSHA" else self._script.source
