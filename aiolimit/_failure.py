@@ -393,11 +393,22 @@ class FailurePolicy:
     ) -> Decision:
         """Records a store failure on ``breakers`` (default: the store's); returns the
         policy's degraded decision or re-raises. An error that names its fault domain counts
-        against that domain's breaker only; the others just give up their probe."""
+        against that domain's breaker only; the others just give up their probe.
+
+        Only a store that did not answer (``BackendUnavailable``: no connection, no reply by
+        the deadline, the cluster down) counts as a failure: the breaker is there to stop
+        paying the deadline while the store is down. An error the store answered with (a key
+        another program clobbered, WRONGTYPE; a script error) concerns that call: it comes
+        back at once, and five of them must not cut every other identifier off the store.
+        Such an answer shows the store is up, as a success does."""
         if isinstance(error, DeadlineExceeded):
             self.timeouts += 1
         if breakers is None:
             breakers = (self.breaker,)
+        if not isinstance(error, BackendUnavailable):
+            for breaker in breakers:
+                breaker.record_success()
+            return self._answer(error, breakers)
         domain = getattr(error, "fault_domain", None)
         blamed = [b for b in breakers if b.name == domain] or list(breakers)
         for breaker in breakers:
