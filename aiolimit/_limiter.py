@@ -436,8 +436,11 @@ class Limiter:
         started = time.perf_counter()
         decision = await self._try_rules(plans, weight, max_wait_us)
         binding = decision.identifier
-        if binding is None and decision.shadow_refusals:
-            binding = decision.shadow_refusals[0].identifier
+        if binding is None:  # (a call under shadow rules alone: counted under their kind)
+            if decision.shadow_refusals:
+                binding = decision.shadow_refusals[0].identifier
+            elif decision.details:
+                binding = decision.details[0].identifier
         kind = identifier_kind(binding or "")
         if kind not in self._rules.by_kind:
             kind = "*"
