@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from importlib.resources import files
@@ -69,6 +69,11 @@ class Call:
     keys: list[str]
     args: list[Arg]
     plans: Sequence[IdentifierPlan]
+    #: For a call that carries its time (a clock of the client's): that clock's monotonic
+    #: and its reading when the call was made, so a call sent again later is judged at the
+    #: time it is sent (``resend_args``). None for a call judged by the server's TIME.
+    monotonic: Callable[[], float] | None = None
+    read_at: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -107,6 +112,29 @@ def encode(
             keys += plan.keys
             args.append(plan.block)
     return Call(mode, keys, args, plans)
+
+
+#: Modes judged at the time a call is sent: sent again later, they move their time on. An
+#: undo or a refund is judged at its decision's time on purpose (it credits what that charged).
+_MOVED_ON = frozenset({Mode.ACQUIRE.value, Mode.CHECK.value, Mode.PEEK.value})
+
+
+def resend_args(call: Call) -> list[Arg]:
+    """The arguments to send ``call`` again with: its own, but an acquire or a check that
+    carries its time (ARGV[2]) has it moved on by the time its clock says passed since the
+    call was made. A call retried through a failover (seconds of backoff) would otherwise be
+    judged in the past: its charge would leave its window that much early. The op is the
+    same, so a copy that ran already still replays, whatever its time."""
+    args = call.args
+    monotonic = call.monotonic
+    if monotonic is None or not isinstance(args[1], int) or args[0] not in _MOVED_ON:
+        return args
+    late = round((monotonic() - call.read_at) * 1_000_000)
+    if late <= 0:
+        return args
+    moved = list(args)
+    moved[1] = args[1] + late
+    return moved
 
 
 _new_pair = tuple.__new__  # (a NamedTuple made without its Python-level __new__)

@@ -286,10 +286,16 @@ class Protocol:
     ) -> list[Call]:  # fmt: skip
         slack, penalty = self._slack_ms, self._penalty
         wire = "" if op is None else op.wire
-        return [
+        calls = [
             encode(mode, group, weight, now_us, slack, wire, penalty, max_wait_us)
             for group in groups
         ]
+        if now_us is not None:  # (a time of the client's: a call sent again later moves it on)
+            monotonic = self._clock.monotonic
+            read_at = monotonic()
+            for call in calls:
+                call.monotonic, call.read_at = monotonic, read_at
+        return calls
 
     async def _raw_replies(self, calls: Sequence[Call]) -> list[RawReply]:
         results = await self._store.run(calls)
