@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from importlib.resources import files
 from importlib.resources.abc import Traversable
+from typing import Protocol
 
 from aiolimit._decision import Decision, PairDecision, made_decision
 from aiolimit._limits import BaseLimit
@@ -114,22 +115,29 @@ def encode(
     return Call(mode, keys, args, plans)
 
 
+class ScriptCallLike(Protocol):
+    """Any call a store is given (``aiolimit._stores.base.ScriptCall``): keys and args."""
+
+    @property
+    def args(self) -> Sequence[Arg]: ...
+
+
 #: Modes judged at the time a call is sent: sent again later, they move their time on. An
 #: undo or a refund is judged at its decision's time on purpose (it credits what that charged).
 _MOVED_ON = frozenset({Mode.ACQUIRE.value, Mode.CHECK.value, Mode.PEEK.value})
 
 
-def resend_args(call: Call) -> list[Arg]:
+def resend_args(call: Call | ScriptCallLike) -> Sequence[Arg]:
     """The arguments to send ``call`` again with: its own, but an acquire or a check that
     carries its time (ARGV[2]) has it moved on by the time its clock says passed since the
     call was made. A call retried through a failover (seconds of backoff) would otherwise be
     judged in the past: its charge would leave its window that much early. The op is the
     same, so a copy that ran already still replays, whatever its time."""
     args = call.args
-    monotonic = call.monotonic
+    monotonic = getattr(call, "monotonic", None)  # (a call made elsewhere carries no clock)
     if monotonic is None or not isinstance(args[1], int) or args[0] not in _MOVED_ON:
         return args
-    late = round((monotonic() - call.read_at) * 1_000_000)
+    late = round((monotonic() - getattr(call, "read_at", 0.0)) * 1_000_000)
     if late <= 0:
         return args
     moved = list(args)

@@ -21,7 +21,8 @@ STORES = ("aiolimit._stores",)
 CLOCKS = ("aiolimit._clock", "aiolimit._authority", "aiolimit.testing")
 REDIS_ALLOWED = ("aiolimit._stores", "aiolimit._connection", "aiolimit._authority")
 #: What a store may take from the calling-convention module: the script, never the layout.
-STORE_MAY_USE_FROM_CALLS = {"decide_library", "decide_script", "Library", "Script"}
+#: (``resend_args``: the convention's own way to send a call again, the layout hidden in it.)
+STORE_MAY_USE_FROM_CALLS = {"decide_library", "decide_script", "Library", "Script", "resend_args"}
 
 
 def module_name(path: Path) -> str:

@@ -38,7 +38,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ResponseError, SlotNotCoveredError
 
-from aiolimit._calls import Call, decide_library, decide_script, resend_args
+from aiolimit._calls import decide_library, decide_script, resend_args
 from aiolimit._clock import Clock, ServerClock
 from aiolimit._connection import (
     client_address,
@@ -267,7 +267,7 @@ class ClusterStore(Store):
         async def attempt() -> Reply:
             # Sent again later (after a backoff, through a failover): judged then, not at the
             # time read before the first attempt (``resend_args``).
-            args = resend_args(call) if isinstance(call, Call) else call.args
+            args = resend_args(call)
             try:
                 if is_noscript(first):
                     return await self._send("EVAL", keys, args)
