@@ -230,12 +230,18 @@ class Limiter:
         """Publishes ``rules`` as the rules document in Redis under this limiter's prefix:
         every limiter following it (``follow_rules=True``) switches to them. With ``expect``
         a version ("" for no document), nothing is written (False) if the stored document is
-        no longer that one. This limiter follows at once if it follows at all.
+        no longer that one. This limiter follows at once if it follows at all. Within the
+        limiter's deadline: past it, or at once while the breaker is open,
+        ``BackendUnavailable``.
         """
         if not isinstance(rules, RuleSet):
             raise ConfigurationError(f"push_rules takes a RuleSet, got {rules!r}")
         self._check_usable()
-        pushed = await publish(self._store, self._rules.prefix, rules, expect=expect)
+        self._failure.check_open()
+        # Under the deadline, as reset() is: past it ``BackendUnavailable`` (what was sent may
+        # still land when a stopped server resumes: read the document again to know).
+        async with self._failure.deadline():
+            pushed = await publish(self._store, self._rules.prefix, rules, expect=expect)
         follower = self._follower
         if follower is not None:
             follower.start()  # following from now on, whether a decision was made here or not
