@@ -229,10 +229,18 @@ def _merge(replies: Sequence[Reply]) -> Decision:
 
 
 def _first_error(results: Sequence[RawReply | BaseException]) -> BaseException | None:
+    """The error to raise for ``results``: a slot that did not answer before one that
+    answered with an error. The failure policy counts only the former against its node's
+    breaker, and records the latter as the store being up: raised in its place, a clobbered
+    key on one node would pass for the success of a silent node in the same decision, whose
+    breaker then never opens."""
+    first = None
     for result in results:
-        if isinstance(result, BaseException):
+        if isinstance(result, BackendUnavailable):
             return result
-    return None
+        if first is None and isinstance(result, BaseException):
+            first = result
+    return first
 
 
 class Protocol:
