@@ -252,6 +252,20 @@ def reason(error: BaseException) -> str:
     return f"{name}: {text}" if text else name
 
 
+#: Error replies a server gives every write while it is in that state, whatever the keys.
+_STORE_WIDE_CODES = ("BUSY ", "MISCONF ", "NOREPLICAS ")
+
+
+def _store_wide(error: BaseException) -> bool:
+    """The server cannot serve any call now (see ``BackendError.store_wide``), as opposed to
+    an error about one call's keys or arguments (WRONGTYPE, a script error)."""
+    if isinstance(error, (redis_errors.ReadOnlyError, redis_errors.OutOfMemoryError)):
+        return True
+    return isinstance(error, redis_errors.ResponseError) and str(error).startswith(
+        _STORE_WIDE_CODES
+    )
+
+
 @contextmanager
 def map_errors(address: str, *, cluster: bool = False) -> Iterator[None]:
     """Turns a redis-py exception into aiolimit's error tree, keeping it as ``__cause__``."""
@@ -272,7 +286,9 @@ def map_errors(address: str, *, cluster: bool = False) -> Iterator[None]:
         # Cluster-level trouble (redirections exhausted): nobody answered for the slot in time.
         raise BackendUnavailable(f"store at {address} unavailable: {reason(exc)}") from exc
     except redis_errors.RedisError as exc:
-        raise BackendError(f"store at {address} failed: {reason(exc)}") from exc
+        failure = BackendError(f"store at {address} failed: {reason(exc)}")
+        failure.store_wide = _store_wide(exc)
+        raise failure from exc
     except redis_errors.RedisClusterException as exc:
         # redis-py's cluster client raises these outside the RedisError tree.
         if "Cluster mode is not enabled" in str(exc):

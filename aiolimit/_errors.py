@@ -61,6 +61,11 @@ class LeaseExpired(AiolimitError):
 class BackendError(AiolimitError):
     """The store (Redis, Redis Cluster, embedded) failed; the original error is ``__cause__``."""
 
+    #: The store answered, but with an error that any call would get now (out of memory, a
+    #: replica's READONLY, BUSY with someone else's script), not one about this call's keys:
+    #: the circuit breaker counts it as it counts a store that does not answer.
+    store_wide: bool = False
+
 
 class BackendUnavailable(BackendError):
     """The store did not answer in time or refused the connection."""

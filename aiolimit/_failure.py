@@ -400,12 +400,14 @@ class FailurePolicy:
         paying the deadline while the store is down. An error the store answered with (a key
         another program clobbered, WRONGTYPE; a script error) concerns that call: it comes
         back at once, and five of them must not cut every other identifier off the store.
-        Such an answer shows the store is up, as a success does."""
+        Such an answer shows the store is up, as a success does. An answer that any call
+        would get now (``store_wide``: out of memory, READONLY, BUSY) does count: the store
+        is as good as down, for every identifier."""
         if isinstance(error, DeadlineExceeded):
             self.timeouts += 1
         if breakers is None:
             breakers = (self.breaker,)
-        if not isinstance(error, BackendUnavailable):
+        if not isinstance(error, BackendUnavailable) and not error.store_wide:
             for breaker in breakers:
                 breaker.record_success()
             return self._answer(error, breakers)

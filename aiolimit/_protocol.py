@@ -229,16 +229,18 @@ def _merge(replies: Sequence[Reply]) -> Decision:
 
 
 def _first_error(results: Sequence[RawReply | BaseException]) -> BaseException | None:
-    """The error to raise for ``results``: a slot that did not answer before one that
-    answered with an error. The failure policy counts only the former against its node's
-    breaker, and records the latter as the store being up: raised in its place, a clobbered
-    key on one node would pass for the success of a silent node in the same decision, whose
-    breaker then never opens."""
+    """The error to raise for ``results``: a slot that did not answer (or answered what any
+    call gets now, ``store_wide``) before one that answered with an error about its own keys.
+    The failure policy counts only the former against its node's breaker, and records the
+    latter as the store being up: raised in its place, a clobbered key on one node would pass
+    for the success of a silent node in the same decision, whose breaker then never opens."""
     first = None
     for result in results:
-        if isinstance(result, BackendUnavailable):
+        if not isinstance(result, BaseException):
+            continue
+        if isinstance(result, BackendUnavailable) or getattr(result, "store_wide", False):
             return result
-        if first is None and isinstance(result, BaseException):
+        if first is None:
             first = result
     return first
 
