@@ -1,0 +1,70 @@
+"""A ``RedisCluster`` client the user made, already set up, given to the limiter: while its
+first primary is frozen, decisions on the other nodes still answer at once.
+
+A call cut at its deadline marks the slot map for a reload (``_suspect_slot_map``). The store
+reloads only the map through redis-py's ``NodesManager`` once the client is set up; a client
+that came in set up must count as such, or the reload goes through
+``RedisCluster.initialize``, which also asks the first primary for ``COMMAND`` (and hangs on a
+frozen one), then closes every connection of every node when it is cut."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+import cluster
+from aiolimit import BackendError, Limit, Limiter
+from aiolimit._keys import main_key
+
+pytestmark = [pytest.mark.cluster]
+
+
+@pytest.fixture(scope="module")
+def calm() -> Iterator[cluster.Cluster]:
+    # No replicas and a long node timeout: a frozen primary stays frozen, never failed over.
+    nodes = cluster.start_cluster(replicas_per_primary=0, node_timeout_ms=15000)
+    with nodes:
+        yield nodes
+
+
+def on_node(nodes: cluster.Cluster, prefix: str, node: cluster.Node) -> str:
+    return next(
+        f"n:{i}"
+        for i in range(10_000)
+        if nodes.node_for_slot(key_slot(main_key(prefix, f"n:{i}").encode())).port == node.port
+    )
+
+
+async def test_a_set_up_user_client_skips_a_frozen_first_primary(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    client = RedisCluster.from_url(calm.url.replace("redis+cluster://", "redis://"))
+    await client.initialize()  # (the user's client has served their app already)
+    first = client.get_primaries()[0]  # (the one redis-py asks for COMMAND)
+    frozen = next(node for node in calm.primaries() if node.port == first.port)
+    healthy = next(node for node in calm.primaries() if node.port != frozen.port)
+    stuck, free = on_node(calm, prefix, frozen), on_node(calm, prefix, healthy)
+    limiter = Limiter(client, [Limit(100, per=60)], prefix=prefix, deadline=0.5)
+    took: list[float] = []
+    try:
+        await limiter.try_acquire([stuck])
+        await limiter.try_acquire([free])
+        frozen.pause()
+        try:
+            with pytest.raises(BackendError):
+                await limiter.try_acquire(stuck)  # (cut at the deadline: map marked)
+            for _ in range(5):
+                started = time.monotonic()
+                decision = await limiter.try_acquire(free)
+                took.append(time.monotonic() - started)
+                assert decision.allowed and not decision.degraded
+        finally:
+            frozen.resume()
+    finally:
+        await limiter.aclose()
+        await client.aclose()
+    assert max(took) < 0.3, took
