@@ -194,7 +194,8 @@ class ClusterStore(Store):
         """Loads the slot map if redis-py dropped it. Each try is cut at ``REFRESH_TIMEOUT``
         and the next asks the startup nodes in a new random order, until ``deadline``.
 
-        Once the client is set up, only the slot map is reloaded (``NodesManager``):
+        Once the client is set up (here, or by the app before it gave the client in), only
+        the slot map is reloaded (``NodesManager``):
         ``RedisCluster.initialize`` would also ask the first primary for ``COMMAND`` every
         time, and hang there for good while that one node is frozen.
         """
@@ -205,7 +206,9 @@ class ClusterStore(Store):
                 raise TimeoutError("the cluster topology refresh did not finish in time")
             try:
                 async with asyncio.timeout(min(REFRESH_TIMEOUT, left)):
-                    if self._set_up:
+                    # (a client given in set up already, by the app's own use, loaded its
+                    # command table then: it is set up as well)
+                    if self._set_up or client.commands_parser.commands:
                         await client.nodes_manager.initialize()
                         client._initialize = False
                     else:
