@@ -68,3 +68,36 @@ async def test_a_set_up_user_client_skips_a_frozen_first_primary(
         await limiter.aclose()
         await client.aclose()
     assert max(took) < 0.3, took
+
+
+@pytest.mark.parametrize("call", ["reset", "refund"])
+async def test_reset_and_refund_fail_fast_while_their_nodes_breaker_is_open(
+    calm: cluster.Cluster, prefix: str, call: str
+) -> None:
+    """As on a standalone store: while the breaker of the node an identifier lives on is
+    open, reset() and refund() raise at once instead of paying the deadline (a cluster keeps
+    a breaker per node; the store-wide one, which they asked, never opens there)."""
+    frozen = calm.primaries()[1]
+    stuck = on_node(calm, prefix, frozen)
+    limiter = Limiter(
+        calm.url, [Limit(100, per=60)], prefix=prefix, deadline=0.5, on_error="open",
+        failure_threshold=1, recovery_time=30,
+    )  # fmt: skip
+    try:
+        await limiter.peek(stuck)
+        frozen.pause()
+        try:
+            assert (await limiter.try_acquire(stuck)).degraded  # (its node's breaker opens)
+            assert limiter.statistics().breaker.state == "open"
+            started = time.monotonic()
+            with pytest.raises(BackendError, match="breaker open"):
+                if call == "reset":
+                    await limiter.reset(stuck)
+                else:
+                    await limiter.refund(stuck)
+            took = time.monotonic() - started
+        finally:
+            frozen.resume()
+    finally:
+        await limiter.aclose()
+    assert took < 0.1, f"{call} took {took:.2f} s"
