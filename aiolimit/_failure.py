@@ -420,13 +420,15 @@ class FailurePolicy:
                 breaker.record_abandoned()
         return self._answer(error, breakers)
 
-    def check_open(self) -> None:
-        """For calls without a degraded answer (refund): fail fast while the breaker is open.
+    def check_open(self, breakers: tuple[CircuitBreaker, ...] | None = None) -> None:
+        """For calls without a degraded answer (refund): fail fast while a breaker of
+        ``breakers`` (default: the store's; on a cluster, the nodes' the call needs) is open.
 
         Such calls never take the half-open probe slot, and their outcome is not recorded.
         """
-        if self.breaker.state == "open" and self.breaker.retry_after() > 0:
-            raise BackendUnavailable("circuit breaker open: the store is not asked")
+        for breaker in (self.breaker,) if breakers is None else breakers:
+            if breaker.state == "open" and breaker.retry_after() > 0:
+                raise BackendUnavailable("circuit breaker open: the store is not asked")
 
     def _answer(self, error: BackendError, breakers: tuple[CircuitBreaker, ...]) -> Decision:
         """The policy's decision. A refusal's ``retry_after`` is when the last of the

@@ -763,7 +763,7 @@ class Limiter:
             plans = self._rules.plans(ids)
             weight = check_weight(1 if weight is None else weight, [])
         self._check_usable()
-        self._failure.check_open()
+        self._failure.check_open(self._breakers(plans))
         if charge is not None:
             left = charge.left
             assert left is not None
@@ -853,7 +853,7 @@ class Limiter:
                 raise unread
         plans = self._rules.plans(ids)
         self._check_usable()
-        self._failure.check_open()
+        self._failure.check_open(self._breakers(plans))
         refusals = self._refusals
         if refusals is not None:
             refusals.forget(plan.identifier for plan in plans)
