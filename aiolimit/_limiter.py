@@ -157,6 +157,7 @@ class Limiter:
         if not isinstance(self.clock, Clock):
             raise ConfigurationError(f"clock must implement aiolimit.Clock, got {clock!r}")
         self._protocol = Protocol(self._store, self.clock, penalty=count_refused)
+        self._count_refused = count_refused
         self._protocol.renew_deadline = self._failure.deadline_seconds
         if self._refusals is not None:
             refusals = self._refusals
@@ -501,6 +502,20 @@ class Limiter:
         # The refusal was counted as one; this request is decided again without the shadows.
         counts["decisions"] -= 1
         counts["refused"] -= 1
+        if enforced and self._count_refused:
+            # count_refused: the refusal counted this request on every pair already, the
+            # enforced ones included; they are given that back before the request is decided
+            # on them, or they would count it twice (once refused, once admitted).
+            breakers = self._breakers(enforced)
+            try:
+                async with self._failure.deadline():
+                    await self._protocol.refund(enforced, weight)
+            except BackendError as exc:  # (a refund once sent finishes in the background)
+                counts["decisions"] += 1
+                counts["errors"] += 1
+                failed = self._failure.failed(exc, breakers)
+                counts["allowed" if failed.allowed else "refused"] += 1
+                return failed
         if enforced:
             again = await self._try_store(enforced, weight, max_wait_us)
         else:
