@@ -101,3 +101,36 @@ async def test_reset_and_refund_fail_fast_while_their_nodes_breaker_is_open(
     finally:
         await limiter.aclose()
     assert took < 0.1, f"{call} took {took:.2f} s"
+
+
+async def test_a_healthy_node_never_waits_for_the_slot_map_reload_a_frozen_node_caused(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    """Fault isolation. Each decision on a frozen node that times out marks the slot map for
+    a reload; the reload asks the nodes in a random order, the frozen one too, and each try
+    at it costs REFRESH_TIMEOUT (50 ms). Decisions on healthy nodes must not wait for that
+    (under a short deadline they failed, and the healthy node's breaker counted it)."""
+    frozen, healthy = calm.primaries()[:2]
+    stuck, free = on_node(calm, prefix, frozen), on_node(calm, prefix, healthy)
+    limiter = Limiter(
+        calm.url, [Limit(1000, per=60)], prefix=prefix, deadline=0.2, on_error="open",
+        failure_threshold=100,
+    )  # fmt: skip
+    took: list[float] = []
+    try:
+        await limiter.peek([stuck, free])
+        frozen.pause()
+        try:
+            for _ in range(10):
+                assert (await limiter.try_acquire(stuck)).degraded  # (cut: map marked)
+                started = time.monotonic()
+                decision = await limiter.try_acquire(free)
+                took.append(time.monotonic() - started)
+                assert decision.allowed and not decision.degraded
+        finally:
+            frozen.resume()
+        breakers = limiter._failure._breakers
+        assert breakers[f"127.0.0.1:{healthy.port}"].failures == 0
+    finally:
+        await limiter.aclose()
+    assert max(took) < 0.04, [round(t, 3) for t in took]
