@@ -160,6 +160,7 @@ class ClusterStore(Store):
         self._stats = ClusterStoreStatistics()
         self._batcher = TickBatcher(self._send_tick, self.MAX_BATCH, split=False)
         self._set_up = False  # the client has loaded its command table once
+        self._reloading: asyncio.Future[None] | None = None  # (``_suspect_slot_map``)
 
     @classmethod
     def from_url(
@@ -218,14 +219,39 @@ class ClusterStore(Store):
                 self._stats.slow_refreshes += 1
 
     def _suspect_slot_map(self) -> None:
-        """A node gave no answer in time: the next call reloads the slot map first.
+        """A node gave no answer in time: the slot map is reloaded, in the background.
 
         A frozen (SIGSTOPped) node accepts TCP and never answers, so redis-py meets no
         connection error and never drops its map by itself: after the node's replica took
         over, every call on its slots would still go to it. One bounded reload per silent
         node costs a CLUSTER SLOTS; while the node is only slow, the map comes back the same.
+
+        No call waits for it: the reload asks the nodes in a random order, the silent one
+        too (each try at it cut at ``REFRESH_TIMEOUT``), and calls on healthy nodes, for
+        which the map in hand is right, would pay that (fault isolation). Calls on the silent
+        node's slots go by the map in hand meanwhile, as they would have before the reload.
         """
-        self.client._initialize = True
+        client = self.client
+        if not (self._set_up or client.commands_parser.commands):
+            client._initialize = True  # (not set up yet: the next call sets it up, waiting)
+            return
+        if self._reloading is None or self._reloading.done():
+            self._reloading = asyncio.ensure_future(self._reload_slot_map())
+
+    async def _reload_slot_map(self) -> None:
+        """Reloads the slot map, each try cut at ``REFRESH_TIMEOUT``, within the store's
+        budget; a map that cannot be had now stays as it is (the next silence asks again)."""
+        nodes = self.client.nodes_manager
+        give_up = time.monotonic() + self.deadline
+        while time.monotonic() < give_up:
+            try:
+                async with asyncio.timeout(REFRESH_TIMEOUT):
+                    await nodes.initialize()
+                return
+            except TimeoutError:
+                self._stats.slow_refreshes += 1
+            except Exception:  # no node answered at all: redis-py's own errors take over
+                return
 
     def fault_domain(self, key: str) -> str:
         """The node that serves ``key``'s slot (per the client's slot map), or "" if unknown."""
@@ -465,6 +491,9 @@ class ClusterStore(Store):
 
     async def aclose(self) -> None:
         await self._batcher.aclose()
+        if self._reloading is not None:
+            self._reloading.cancel()
+            await asyncio.wait([self._reloading])
         if self._owns:
             await close_cluster_client(self.client)
 
