@@ -19,13 +19,15 @@ fields; 503 when the store is down under ``on_error="closed"``; IPv6
 clients keyed per /64 unless ``ipv6_prefix`` says otherwise (128: per address). Headers are
 added to the handler's response unless it was already prepared (streamed). A request
 holding ``Concurrency`` slots keeps them until its body is sent: a ``FileResponse`` or a body
-from a file or an async iterator is sent by the layer that judged it (see ``_send``).
+from a file or an async iterator gives them back once aiohttp has sent it, after every
+middleware had its say (see ``_release_once_sent``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -212,14 +214,15 @@ async def _judge_first(
     state.verdict = verdict
     if verdict is not None:
         verdict.keep_leases()
+    sending = False
     try:
         response = await _run(state, request, handler)
         if state.verdict is not None and _holds_leases(state.verdict) and _sent_later(response):
-            await _send(response, request, state.verdict)
+            sending = _release_once_sent(request, response, state.verdict)
         return response
     finally:
-        if state.verdict is not None:  # the request is over: its Concurrency slots go back
-            await state.verdict.release()
+        if state.verdict is not None and not sending:  # the request is over: its
+            await state.verdict.release()  # Concurrency slots go back
 
 
 def _holds_leases(verdict: Verdict) -> bool:
@@ -238,21 +241,54 @@ def _sent_later(response: web.StreamResponse) -> bool:
     return not isinstance(response, web.Response) or isinstance(response.body, Payload)
 
 
-async def _send(response: web.StreamResponse, request: web.Request, verdict: Verdict) -> None:
-    """Sends a streamed body here, while the request's ``Concurrency`` slots are held, so
-    that a download counts as a request in flight until it ends (aiohttp then finds the
-    response sent). A client that hangs up ends it (aiohttp sees that again and logs it, as
-    for any response); a body that fails is the app's, given back under
-    ``refund_on_error``."""
-    try:
-        await response.prepare(request)
-        await response.write_eof()
-    except ConnectionError:
-        return
-    except Exception:
-        if not _client_gone(request):
-            await verdict.give_back(on_error=True)
-        raise
+def _release_once_sent(
+    request: web.Request, response: web.StreamResponse, verdict: Verdict
+) -> bool:
+    """Keeps the request's ``Concurrency`` slots until aiohttp has sent the streamed body, so
+    that a download counts as a request in flight until it ends. aiohttp sends a returned
+    response once every middleware has returned (each may still add to it: headers,
+    cookies), ending with its ``write_eof``: the slots go back when that has finished, before
+    the connection takes its next request. A body that fails there is the app's, given back
+    under ``refund_on_error``; a client that hung up (``ConnectionError``) is not refunded.
+    Should ``write_eof`` never come (the response replaced, or a failure before), they go
+    back when the task that runs the request ends. False when there is no such task (the
+    caller releases at once, as for any other response)."""
+    task = asyncio.current_task()
+    if task is None:
+        return False
+    write_eof = response.write_eof
+
+    async def write_eof_then_release(data: bytes = b"") -> None:
+        try:
+            await write_eof(data)
+        except ConnectionError:
+            raise
+        except Exception:
+            if not _client_gone(request):
+                await verdict.give_back(on_error=True)
+            raise
+        finally:
+            await verdict.release()
+
+    def ended(task: asyncio.Task[Any]) -> None:
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, Exception) and not isinstance(error, ConnectionError):
+            _keep(verdict.give_back(on_error=True))  # (each charge is given back once)
+        _keep(verdict.release())  # (nothing left to do if write_eof released them)
+
+    response.write_eof = write_eof_then_release  # type: ignore[method-assign]
+    task.add_done_callback(ended)
+    return True
+
+
+#: Releases and refunds started once a streamed response was sent (held until they end).
+_after_sending: set[asyncio.Future[None]] = set()
+
+
+def _keep(coroutine: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.ensure_future(coroutine)
+    _after_sending.add(task)
+    task.add_done_callback(_after_sending.discard)
 
 
 def _router_path(request: web.Request) -> str:

@@ -1,8 +1,9 @@
 """An app's own middleware outside aiolimit's sees the response before it is sent, and may
 add to it (security headers, a cookie), as aiohttp lets every middleware do. Under a
-``Concurrency`` limit aiolimit sends a streamed body (a ``FileResponse``) itself, inside the
-chain, to hold the slot while it is sent: the outer middleware then gets a response already
-sent, and what it adds never reaches the client."""
+``Concurrency`` limit aiolimit sent a streamed body (a ``FileResponse``) itself, inside the
+chain, to hold the slot while it was sent: the outer middleware then got a response already
+sent, and what it added never reached the client. The slots now go back once aiohttp has
+sent the response itself."""
 
 from __future__ import annotations
 
@@ -34,12 +35,6 @@ async def security_headers(
     return response
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aiolimit's aiohttp layer prepares a streamed response inside the middleware chain "
-    "to hold Concurrency slots while it is sent (34090a4); releasing when aiohttp has sent it "
-    "(e.g. from the request task's end) would leave outer middlewares their say",
-)
 async def test_an_outer_middleware_still_sets_headers_on_a_file_response(
     limiter: Limiter, tmp_path: pathlib.Path
 ) -> None:
