@@ -121,7 +121,7 @@ async def test_a_healthy_node_never_waits_for_the_slot_map_reload_a_frozen_node_
         await limiter.peek([stuck, free])
         frozen.pause()
         try:
-            for _ in range(10):
+            for _ in range(20):
                 assert (await limiter.try_acquire(stuck)).degraded  # (cut: map marked)
                 started = time.monotonic()
                 decision = await limiter.try_acquire(free)
@@ -133,4 +133,8 @@ async def test_a_healthy_node_never_waits_for_the_slot_map_reload_a_frozen_node_
         assert breakers[f"127.0.0.1:{healthy.port}"].failures == 0
     finally:
         await limiter.aclose()
-    assert max(took) < 0.04, [round(t, 3) for t in took]
+    # A decision that waited for the reload took a try at the frozen node: REFRESH_TIMEOUT
+    # (50 ms) at least, about one in three (the nodes are asked in a random order). One slow
+    # decision is left to the machine (a GC pause, a busy core); seven were expected before.
+    slow = [round(t, 3) for t in took if t >= 0.05]
+    assert len(slow) <= 1, (slow, [round(t, 3) for t in took])
