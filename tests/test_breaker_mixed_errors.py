@@ -65,7 +65,7 @@ async def test_a_silent_node_opens_its_breaker_beside_an_answered_error(
             decision = await limiter.try_acquire(other)
             took = time.monotonic() - started
             assert decision.degraded and not decision.allowed
-            assert took < 0.1, f"a decision on the silent node took {took:.2f} s"
+            assert took < 0.2, f"a decision on the silent node took {took:.2f} s"  # (deadline 0.3)
         finally:
             node_b.resume()
     finally:

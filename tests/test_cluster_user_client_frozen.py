@@ -100,7 +100,7 @@ async def test_reset_and_refund_fail_fast_while_their_nodes_breaker_is_open(
             frozen.resume()
     finally:
         await limiter.aclose()
-    assert took < 0.1, f"{call} took {took:.2f} s"
+    assert took < 0.25, f"{call} took {took:.2f} s"  # (the deadline: 0.5 s)
 
 
 async def test_a_healthy_node_never_waits_for_the_slot_map_reload_a_frozen_node_caused(

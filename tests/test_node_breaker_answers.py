@@ -72,7 +72,7 @@ async def test_closed_policy_tells_when_a_frozen_nodes_breaker_will_probe(
     finally:
         calm.heal()
         await limiter.aclose()
-    assert took < 0.1, took
+    assert took < 0.25, took  # (polling until the timeout: 0.5 s)
     assert after.decisions - before.decisions == 1, (before, after)
 
 
