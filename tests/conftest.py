@@ -231,6 +231,18 @@ def fresh_cluster() -> Iterator[Cluster]:
         yield nodes
 
 
+@pytest.fixture(scope="module")
+def calm() -> Iterator[Cluster]:
+    """A 3-primary cluster of the module's own, with no replicas and a 15 s node timeout: a
+    node frozen (SIGSTOP) stays frozen, never failed over. The module's tests resume or heal
+    what they freeze (``tests/_nodes.py`` places identifiers on chosen nodes)."""
+    nodes: Cluster = _result_or_fail(
+        lambda: cluster.start_cluster(replicas_per_primary=0, node_timeout_ms=15000)
+    )
+    with nodes:
+        yield nodes
+
+
 @pytest.fixture
 async def server(redis_url: str) -> AsyncIterator[Any]:
     """A client of the shared standalone server, aiolimit's FUNCTION library loaded (the

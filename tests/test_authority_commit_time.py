@@ -11,34 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
-from redis.crc import key_slot
 
 import cluster
 from aiolimit import AuthorityClock, Limit, Limiter
-from aiolimit._keys import main_key
+from tests._nodes import on_node
 
 pytestmark = [pytest.mark.cluster]
 
 #: Seconds node B is busy (DEBUG SLEEP) while the decision's check waits for it.
 BUSY = 1.3
-
-
-@pytest.fixture(scope="module")
-def calm() -> Iterator[cluster.Cluster]:
-    nodes = cluster.start_cluster(replicas_per_primary=0, node_timeout_ms=15000)
-    with nodes:
-        yield nodes
-
-
-def on_node(nodes: cluster.Cluster, prefix: str, tag: str, node: cluster.Node) -> str:
-    return next(
-        f"{tag}:{i}"
-        for i in range(10_000)
-        if nodes.node_for_slot(key_slot(main_key(prefix, f"{tag}:{i}").encode())).port == node.port
-    )
 
 
 async def test_a_slow_check_phase_does_not_date_the_commit_back(

@@ -6,33 +6,15 @@ that needs it keeps paying the whole deadline."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
-from redis.crc import key_slot
 
 import cluster
 from aiolimit import Limit, Limiter
-from aiolimit._keys import main_key
+from tests._nodes import on_node
 
 pytestmark = [pytest.mark.cluster]
-
-
-@pytest.fixture(scope="module")
-def calm() -> Iterator[cluster.Cluster]:
-    # No replicas and a long node timeout: a frozen primary stays frozen, never failed over.
-    nodes = cluster.start_cluster(replicas_per_primary=0, node_timeout_ms=15000)
-    with nodes:
-        yield nodes
-
-
-def on_node(nodes: cluster.Cluster, prefix: str, tag: str, node: cluster.Node) -> str:
-    return next(
-        f"{tag}:{i}"
-        for i in range(10_000)
-        if nodes.node_for_slot(key_slot(main_key(prefix, f"{tag}:{i}").encode())).port == node.port
-    )
 
 
 @pytest.mark.parametrize("clobbered_first", [True, False])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,18 +19,12 @@ import cluster
 from aiolimit import BackendError, Limit, Limiter
 from aiolimit._calls import ACQUIRE
 from aiolimit._keys import main_key
+from tests._nodes import on_node
 
 pytestmark = [pytest.mark.cluster]
 
 #: Requests stuck on a frozen node in the isolation test (MAX_IN_FLIGHT is 128).
 STUCK = 200
-
-
-@pytest.fixture(scope="module")
-def calm() -> Iterator[cluster.Cluster]:
-    nodes = cluster.start_cluster(replicas_per_primary=0, node_timeout_ms=15000)
-    with nodes:
-        yield nodes
 
 
 def node_of(nodes: cluster.Cluster, prefix: str, ident: str) -> cluster.Node:
@@ -106,14 +99,6 @@ async def test_commit_frozen_on_one_slot_charges_nothing_after_resume(
         1 - await remaining(calm.url, prefix, b, limits),
     )
     assert stored == (0, 0), f"told {told!r}, stored charges {stored}"
-
-
-def on_node(nodes: cluster.Cluster, prefix: str, tag: str, node: cluster.Node) -> str:
-    return next(
-        f"{tag}:{i}"
-        for i in range(10_000)
-        if node_of(nodes, prefix, f"{tag}:{i}").port == node.port
-    )
 
 
 async def test_calls_stuck_on_a_frozen_node_do_not_delay_a_shared_identifier_elsewhere(

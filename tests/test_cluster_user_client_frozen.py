@@ -10,33 +10,15 @@ frozen one), then closes every connection of every node when it is cut."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
-from redis.crc import key_slot
 
 import cluster
 from aiolimit import BackendError, Limit, Limiter
-from aiolimit._keys import main_key
+from tests._nodes import on_node
 
 pytestmark = [pytest.mark.cluster]
-
-
-@pytest.fixture(scope="module")
-def calm() -> Iterator[cluster.Cluster]:
-    # No replicas and a long node timeout: a frozen primary stays frozen, never failed over.
-    nodes = cluster.start_cluster(replicas_per_primary=0, node_timeout_ms=15000)
-    with nodes:
-        yield nodes
-
-
-def on_node(nodes: cluster.Cluster, prefix: str, node: cluster.Node) -> str:
-    return next(
-        f"n:{i}"
-        for i in range(10_000)
-        if nodes.node_for_slot(key_slot(main_key(prefix, f"n:{i}").encode())).port == node.port
-    )
 
 
 async def test_a_set_up_user_client_skips_a_frozen_first_primary(
@@ -47,7 +29,7 @@ async def test_a_set_up_user_client_skips_a_frozen_first_primary(
     first = client.get_primaries()[0]  # (the one redis-py asks for COMMAND)
     frozen = next(node for node in calm.primaries() if node.port == first.port)
     healthy = next(node for node in calm.primaries() if node.port != frozen.port)
-    stuck, free = on_node(calm, prefix, frozen), on_node(calm, prefix, healthy)
+    stuck, free = on_node(calm, prefix, "n", frozen), on_node(calm, prefix, "n", healthy)
     limiter = Limiter(client, [Limit(100, per=60)], prefix=prefix, deadline=0.5)
     took: list[float] = []
     try:
@@ -78,7 +60,7 @@ async def test_reset_and_refund_fail_fast_while_their_nodes_breaker_is_open(
     open, reset() and refund() raise at once instead of paying the deadline (a cluster keeps
     a breaker per node; the store-wide one, which they asked, never opens there)."""
     frozen = calm.primaries()[1]
-    stuck = on_node(calm, prefix, frozen)
+    stuck = on_node(calm, prefix, "n", frozen)
     limiter = Limiter(
         calm.url, [Limit(100, per=60)], prefix=prefix, deadline=0.5, on_error="open",
         failure_threshold=1, recovery_time=30,
@@ -111,7 +93,7 @@ async def test_a_healthy_node_never_waits_for_the_slot_map_reload_a_frozen_node_
     at it costs REFRESH_TIMEOUT (50 ms). Decisions on healthy nodes must not wait for that
     (under a short deadline they failed, and the healthy node's breaker counted it)."""
     frozen, healthy = calm.primaries()[:2]
-    stuck, free = on_node(calm, prefix, frozen), on_node(calm, prefix, healthy)
+    stuck, free = on_node(calm, prefix, "n", frozen), on_node(calm, prefix, "n", healthy)
     limiter = Limiter(
         calm.url, [Limit(1000, per=60)], prefix=prefix, deadline=0.2, on_error="open",
         failure_threshold=100,

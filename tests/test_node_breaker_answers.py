@@ -8,33 +8,16 @@ over while a test runs); one primary is frozen until its breaker opens.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
-from redis.crc import key_slot
 
 import cluster
 from aiolimit import BackendError, Limit, Limiter, RateLimited
-from aiolimit._keys import main_key
+from tests._nodes import on_node
 
 pytestmark = [pytest.mark.cluster]
 
 RECOVERY = 2.0
-
-
-@pytest.fixture(scope="module")
-def calm() -> Iterator[cluster.Cluster]:
-    nodes = cluster.start_cluster(replicas_per_primary=0, node_timeout_ms=15000)
-    with nodes:
-        yield nodes
-
-
-def on_node(nodes: cluster.Cluster, prefix: str, node: cluster.Node) -> str:
-    return next(
-        f"n:{i}"
-        for i in range(10_000)
-        if nodes.node_for_slot(key_slot(main_key(prefix, f"n:{i}").encode())).port == node.port
-    )
 
 
 async def test_closed_policy_tells_when_a_frozen_nodes_breaker_will_probe(
@@ -45,7 +28,7 @@ async def test_closed_policy_tells_when_a_frozen_nodes_breaker_will_probe(
     recovery_time), not 1 ms; so acquire(timeout) shorter than that raises RateLimited at
     once instead of asking the breaker a thousand times a second."""
     frozen = calm.primaries()[0]
-    ident = on_node(calm, prefix, frozen)
+    ident = on_node(calm, prefix, "n", frozen)
     limiter = Limiter(
         calm.url,
         [Limit(10, per=60)],
@@ -84,7 +67,7 @@ async def test_reset_on_a_healthy_node_while_another_is_frozen(
     still answer at once: the reload skips the frozen node, and asks no one for COMMAND."""
     frozen = calm.node_for_slot(0)
     healthy = next(node for node in calm.primaries() if node.port != frozen.port)
-    stuck, free = on_node(calm, prefix, frozen), on_node(calm, prefix, healthy)
+    stuck, free = on_node(calm, prefix, "n", frozen), on_node(calm, prefix, "n", healthy)
     limiter = Limiter(calm.url, [Limit(10, per=60)], prefix=prefix, deadline=0.5)
     took: list[float] = []
     try:
