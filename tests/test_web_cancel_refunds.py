@@ -7,14 +7,13 @@ cancelled again: each refund must be started before the first is awaited."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fastapi import Depends, FastAPI
-from starlette.responses import PlainTextResponse
 
 from aiolimit import Limit, Limiter
 from aiolimit.starlette import CLIENT_IP, RateLimit, RateLimitMiddleware
 from tests._proxy import Proxy
+from tests.test_web_lease_ends import with_request_timeout
 from tests.test_web_starlette import serve
 
 IP = "127.0.0.1"
@@ -24,8 +23,6 @@ FIVE = [Limit(5, per=60)]
 async def test_a_request_cancelled_while_judged_gets_every_earlier_charge_back(
     redis_url: str, standalone_proxy: Proxy, prefix: str
 ) -> None:
-    import anyio
-
     fast = [Limiter(redis_url, {"ip": FIVE}, prefix=f"{prefix}{i}", deadline=5.0) for i in range(2)]
     # The third limiter's store answers 1.5 s late: the request is cancelled while it decides.
     slow = Limiter(standalone_proxy.url, {"ip": FIVE}, prefix=f"{prefix}2", deadline=5.0)
@@ -46,17 +43,8 @@ async def test_a_request_cancelled_while_judged_gets_every_earlier_charge_back(
 
     app.add_middleware(RateLimitMiddleware, limiter=fast[0])
 
-    async def timeout(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
-        with anyio.move_on_after(0.5):
-            await app(scope, receive, send)
-            return
-        await PlainTextResponse("timed out", 504)(scope, receive, send)
-
     try:
-        async with serve(timeout) as client:
+        async with serve(with_request_timeout(app, 0.5)) as client:
             standalone_proxy.delay = 1.5
             response = await client.get("/")
             standalone_proxy.delay = 0.0

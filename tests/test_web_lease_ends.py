@@ -266,6 +266,25 @@ async def test_aiohttp_file_download_cut_short_gives_its_slot_back(
     assert (await limiter.peek(identifier)).remaining == 1
 
 
+def with_request_timeout(app: Any, seconds: float) -> Any:
+    """``app`` behind a request-timeout middleware, the usual way to bound a request: each
+    HTTP request runs in ``anyio.move_on_after(seconds)`` and gets a 504 when cut. The
+    cancelled request's cleanup then runs inside the cancelled scope, where every ``await``
+    is cancelled again."""
+    import anyio
+
+    async def timed(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        with anyio.move_on_after(seconds):
+            await app(scope, receive, send)
+            return
+        await PlainTextResponse("timed out", 504)(scope, receive, send)
+
+    return timed
+
+
 async def test_a_request_timed_out_by_an_outer_cancel_scope_frees_every_limiters_slot(
     redis_url: str, prefix: str
 ) -> None:
@@ -274,7 +293,6 @@ async def test_a_request_timed_out_by_an_outer_cancel_scope_frees_every_limiters
     the cancelled scope, where every ``await`` is cancelled again. The request held slots
     on two limiters (the middleware's and the route's own): both come back at once, not at
     their lease TTL (60 s), so the next request is admitted."""
-    import anyio
 
     pools = [
         Limiter(redis_url, {"ip": POOL}, prefix=f"{prefix}{i}", deadline=1.0) for i in range(2)
@@ -292,17 +310,8 @@ async def test_a_request_timed_out_by_an_outer_cancel_scope_frees_every_limiters
 
     app.add_middleware(RateLimitMiddleware, limiter=pools[0])
 
-    async def timeout(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
-        with anyio.move_on_after(0.5):
-            await app(scope, receive, send)
-            return
-        await PlainTextResponse("timed out", 504)(scope, receive, send)
-
     try:
-        async with serve(timeout) as client:
+        async with serve(with_request_timeout(app, 0.5)) as client:
             first = await client.get("/?slow=1")
             async with asyncio.timeout(5):
                 await entered.wait()
