@@ -228,6 +228,20 @@ class AiolimitPromContender(AiolimitContender):
         return await super().open(identifiers)
 
 
+async def _read_replies(
+    reader: asyncio.StreamReader, parser: Any, waiting: collections.deque[asyncio.Future[Any]]
+) -> None:
+    """A ceiling client's reader: each reply, as hiredis parses it, answers the oldest call
+    still waiting on that connection (replies come in the order the calls went)."""
+    while True:
+        data = await reader.read(1 << 16)
+        if not data:
+            break
+        parser.feed(data)
+        while (reply := parser.gets()) is not False:
+            waiting.popleft().set_result(reply)
+
+
 class CeilingContender(Contender):
     """The ceiling for any client of aiolimit's script: the same calls (same script, keys and
     arguments as aiolimit sends for each identifier tuple, packed once in advance) from a
@@ -285,16 +299,7 @@ class CeilingContender(Contender):
         outgoing: list[bytes] = []
         parser = hiredis.Reader()
 
-        async def read_replies() -> None:
-            while True:
-                data = await reader.read(1 << 16)
-                if not data:
-                    break
-                parser.feed(data)
-                while (reply := parser.gets()) is not False:
-                    waiting.popleft().set_result(reply)
-
-        self._reading = asyncio.ensure_future(read_replies())
+        self._reading = asyncio.ensure_future(_read_replies(reader, parser, waiting))
 
         def flush() -> None:
             writer.write(b"".join(outgoing))
@@ -387,7 +392,9 @@ class ClusterCeilingContender(Contender):
         for host, port in sorted(set(owner.values())):
             reader, writer = await asyncio.open_connection(host, port)
             link = links[host, port] = _Link(writer)
-            link.reading = asyncio.ensure_future(self._read(reader, link, hiredis.Reader()))
+            link.reading = asyncio.ensure_future(
+                _read_replies(reader, hiredis.Reader(), link.waiting)
+            )
             self._links.append(link)
         rules = Rules(self._inner._limits, self.prefix)
         Steps = list[tuple[_Link, bytes, bytes]]  # per slot: its node, its check, its acquire
@@ -438,16 +445,6 @@ class ClusterCeilingContender(Contender):
             return await allowed([send(link, charge) for link, _, charge in steps])
 
         return decide
-
-    @staticmethod
-    async def _read(reader: asyncio.StreamReader, link: _Link, parser: Any) -> None:
-        while True:
-            data = await reader.read(1 << 16)
-            if not data:
-                break
-            parser.feed(data)
-            while (reply := parser.gets()) is not False:
-                link.waiting.popleft().set_result(reply)
 
     async def aclose(self) -> None:
         for link in self._links:
