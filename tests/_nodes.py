@@ -3,9 +3,13 @@ flood one node and watch the others."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from redis.crc import key_slot
 
 import cluster
+from aiolimit import Limiter
 from aiolimit._keys import main_key
 
 
@@ -16,3 +20,14 @@ def on_node(nodes: cluster.Cluster, prefix: str, tag: str, node: cluster.Node) -
         for i in range(10_000)
         if nodes.node_for_slot(key_slot(main_key(prefix, f"{tag}:{i}").encode())).port == node.port
     )
+
+
+async def settle(limiter: Limiter, within: float = 10.0) -> None:
+    """Waits until the limiter's background undos and the store's pipelines are done (those
+    queued, in flight in a task, or waiting on a link for their replies)."""
+    protocol = limiter._protocol
+    store = protocol._store
+    stop = time.monotonic() + within
+    while protocol._tasks or not store.idle:  # type: ignore[attr-defined]
+        assert time.monotonic() < stop, "background work did not settle"
+        await asyncio.sleep(0.01)

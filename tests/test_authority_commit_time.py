@@ -16,7 +16,7 @@ import pytest
 
 import cluster
 from aiolimit import AuthorityClock, Limit, Limiter
-from tests._nodes import on_node
+from tests._nodes import on_node, settle
 
 pytestmark = [pytest.mark.cluster]
 
@@ -63,16 +63,6 @@ async def remaining(url: str, prefix: str, ident: str, limits: list[Limit]) -> i
     async with Limiter(url, limits, prefix=prefix, deadline=2.0) as fresh:
         decision = await fresh.peek(ident)
         return min(pair.remaining for pair in decision.details)
-
-
-async def settle(limiter: Limiter, within: float = 10.0) -> None:
-    """Waits until the limiter's background undos and the store's pipelines are done."""
-    protocol = limiter._protocol
-    batcher = protocol._store._batcher  # type: ignore[attr-defined]
-    stop = time.monotonic() + within
-    while protocol._tasks or not batcher.idle:
-        assert time.monotonic() < stop, "background work did not settle"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("max_age", [None, 30.0])

@@ -19,7 +19,7 @@ import cluster
 from aiolimit import BackendError, Limit, Limiter
 from aiolimit._calls import ACQUIRE
 from aiolimit._keys import main_key
-from tests._nodes import on_node
+from tests._nodes import on_node, settle
 
 pytestmark = [pytest.mark.cluster]
 
@@ -134,16 +134,6 @@ async def test_calls_stuck_on_a_frozen_node_do_not_delay_a_shared_identifier_els
         await asyncio.wait_for(limiter.aclose(), 15)
     assert not isinstance(told, BaseException) and told.allowed, (told, took)
     assert took < 0.3, f"a healthy decision took {took:.2f} s"
-
-
-async def settle(limiter: Limiter, within: float = 10.0) -> None:
-    """Waits until the limiter's background undos and the store's pipelines are done."""
-    protocol = limiter._protocol
-    batcher = protocol._store._batcher  # type: ignore[attr-defined]
-    stop = time.monotonic() + within
-    while protocol._tasks or not batcher.idle:
-        assert time.monotonic() < stop, "background work did not settle"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("frozen_briefly", [False, True])

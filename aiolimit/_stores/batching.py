@@ -91,6 +91,10 @@ def loop_time(deadline: float) -> float:
 
 #: Sends one tick's calls; must resolve every one of them.
 SendTick = Callable[[list[Pending]], Awaitable[None]]
+#: Sends one tick's calls at once, from the tick's callback, if it can: then True, and it
+#: must resolve every one of them (now or when their replies come); else False, having
+#: done nothing, and ``SendTick`` sends them in a task.
+SendNow = Callable[[list[Pending]], bool]
 
 
 #: A tick's calls are split in two pipelines or more once each half has this many calls.
@@ -102,8 +106,16 @@ CLOSE_GRACE = 2.0
 class TickBatcher:
     """Hands the calls submitted in one tick to ``send``, in chunks of at most ``max_batch``."""
 
-    def __init__(self, send: SendTick, max_batch: int = 32, *, split: bool = True) -> None:
+    def __init__(
+        self,
+        send: SendTick,
+        max_batch: int = 32,
+        *,
+        split: bool = True,
+        send_now: SendNow | None = None,
+    ) -> None:
         self._send = send
+        self._send_now = send_now
         self.max_batch = max_batch
         self._split = split
         self._queue: list[Pending] = []
@@ -151,8 +163,11 @@ class TickBatcher:
         size = self.max_batch
         if self._split:
             size = min(size, max(MIN_SPLIT, -(-len(calls) // 2)))
+        send_now = self._send_now
         for start in range(0, len(calls), size):
-            self.spawn(self._send_all(calls[start : start + size]))
+            chunk = calls[start : start + size]
+            if send_now is None or not send_now(chunk):
+                self.spawn(self._send_all(chunk))
 
     async def _send_all(self, calls: list[Pending]) -> None:
         try:

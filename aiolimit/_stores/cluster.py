@@ -57,8 +57,16 @@ from aiolimit._deadline import current_deadline
 from aiolimit._errors import BackendUnavailable, ConfigurationError
 from aiolimit._retry import RetryStatistics, call_with_retries, check_deadline_seconds
 from aiolimit._stores.base import Arg, Reply, Result, ScriptCall, Store
-from aiolimit._stores.batching import Pending, TickBatcher, loop_time, wait_results
+from aiolimit._stores.batching import (
+    CLOSE_GRACE,
+    Pending,
+    TickBatcher,
+    loop_time,
+    wait_results,
+)
+from aiolimit._stores.link import NodeLink, NodeSilent
 from aiolimit._stores.resp import (
+    HIREDIS_PARSER,
     command_head,
     pack_calls,
     pack_many,
@@ -76,6 +84,9 @@ DEADLINE_MARGIN = 0.05
 #: answers CLUSTER SLOTS in well under a millisecond; a decision may meet several refreshes
 #: while connections are being reset, each of which can draw the frozen node first.
 REFRESH_TIMEOUT = 0.05
+#: Seconds before a node whose link failed (or could not be opened) gets a new one; its calls
+#: go through the node's connection pool meanwhile.
+LINK_RETRY = 0.5
 
 
 #: Connection options a subscriber on one node takes from the cluster client's.
@@ -121,6 +132,10 @@ class ClusterStoreStatistics:
     redirects: int = 0
     #: Topology refreshes cut short because the startup node asked did not answer in time.
     slow_refreshes: int = 0
+    #: Links (a connection kept open to a node, ``link.py``) opened, and closed after a
+    #: failure: a connection lost, or a node that gave no answer by a pipeline's deadline.
+    links_opened: int = 0
+    links_failed: int = 0
 
 
 class ClusterStore(Store):
@@ -158,7 +173,15 @@ class ClusterStore(Store):
         self.address = address or client_address(client)
         self._retry = RetryStatistics()
         self._stats = ClusterStoreStatistics()
-        self._batcher = TickBatcher(self._send_tick, self.MAX_BATCH, split=False)
+        self._batcher = TickBatcher(
+            self._send_tick, self.MAX_BATCH, split=False, send_now=self._send_now
+        )
+        #: Open links by node name (``link.py``), links being opened, and when a node whose
+        #: link failed may have a new one.
+        self._links: dict[str, NodeLink] = {}
+        self._opening: dict[str, asyncio.Task[None]] = {}
+        self._link_after: dict[str, float] = {}
+        self._closing = False
         self._set_up = False  # the client has loaded its command table once
         self._reloading: asyncio.Future[None] | None = None  # (``_suspect_slot_map``)
 
@@ -351,19 +374,11 @@ class ClusterStore(Store):
                 results[index] = error
         return results
 
-    async def _send_tick(self, calls: list[Pending]) -> None:
-        """Groups a tick's calls by the node that owns their slot; one pipeline per node."""
-        client = self.client
-        try:
-            # A no-op once the slot map is loaded. Before that (or after a connection error
-            # made redis-py drop it), the whole tick waits for one bounded load.
-            await self._refresh(max(call.deadline for call in calls))
-        except Exception as exc:
-            for call in calls:
-                call.resolve(exc)
-            return
+    def _by_node(self, calls: list[Pending]) -> list[tuple[ClusterNode, list[Pending]]]:
+        """A tick's calls grouped by the node that owns their slot in the slot map; a call
+        on a slot not covered right now is answered at once (its retry path)."""
         by_node: dict[str, tuple[ClusterNode, list[Pending]]] = {}
-        slots = client.nodes_manager.slots_cache
+        slots = self.client.nodes_manager.slots_cache
         for call in calls:
             # (what ``client.get_node_from_key`` does, with the slot computed once per key)
             owners = slots.get(_slot(call.keys[0]))
@@ -377,7 +392,109 @@ class ClusterStore(Store):
                 by_node[node.name] = (node, [call])
             else:
                 known[1].append(call)
-        groups = list(by_node.values())
+        return list(by_node.values())
+
+    def _send_now(self, calls: list[Pending]) -> bool:
+        """Sends a tick's calls from the tick's callback, once the slot map is loaded: on
+        their node's link where it has one (``link.py``), else in a task through the node's
+        pool (``_send_pipeline``), which also loads the library where it is missing; a link is
+        then opened for the next ticks. False (nothing done) before the map is loaded: the
+        tick then goes as a task that loads it (``_send_tick``)."""
+        if self.client._initialize or self._closing:
+            return False
+        groups = self._by_node(calls)
+        for node, group in groups:
+            name = node.name
+            link = self._links.get(name)
+            if link is not None and link.usable and name in self._loaded:
+                packed, batched = self._pack(group)
+                self._stats.round_trips += 1
+                link.send(packed, group, batched)
+                continue
+            if link is None and name in self._loaded and name not in self._opening:
+                if time.monotonic() >= self._link_after.get(name, 0.0):
+                    self._opening[name] = asyncio.ensure_future(self._open_link(node))
+            self._batcher.spawn(self._send_pipeline(node, group))
+        return True
+
+    async def _open_link(self, node: ClusterNode) -> None:
+        """Opens a link to ``node`` on a connection of its pool, within the store's budget.
+        If it cannot (a node down, silent, or a parser other than hiredis), calls keep
+        going through the pool; it is tried again after ``LINK_RETRY``."""
+        name = node.name
+        connection = None
+        try:
+            connection = node.acquire_connection()
+            async with asyncio.timeout(self.deadline):
+                await connection.connect()  # type: ignore[no-untyped-call]
+            parser = getattr(connection, "_parser", None)
+            if HIREDIS_PARSER is None or type(parser) is not HIREDIS_PARSER:
+                self._link_after[name] = float("inf")  # (a link reads through hiredis only)
+                return
+            self._links[name] = NodeLink(
+                node,
+                connection,
+                closed_by=self._link_closed,
+                on_noscript=lambda: self._loaded.discard(name),
+            )
+            connection = None
+            self._stats.links_opened += 1
+            # A node no longer a primary (failed over, removed) keeps no link.
+            primaries = {primary.name for primary in self.client.get_primaries()}
+            for other in list(self._links.values()):
+                if other.node.name not in primaries and not other.busy:
+                    other.fail(ConnectionError(f"{other.node.name} is no longer a primary"))
+        except Exception:
+            self._link_after[name] = time.monotonic() + LINK_RETRY
+        finally:
+            self._opening.pop(name, None)
+            if connection is not None:
+                with contextlib.suppress(Exception):
+                    await connection.disconnect(nowait=True)
+                node.release(connection)
+
+    def _link_closed(self, link: NodeLink, error: BaseException) -> None:
+        """A link failed (or was closed): its connection is given back, a new link comes
+        after ``LINK_RETRY``; a node that gave no answer in time has its slot map suspected,
+        as a pipeline that timed out would."""
+        name = link.node.name
+        if self._links.get(name) is link:
+            del self._links[name]
+        if self._closing:
+            return  # (``aclose`` gives the connections back itself)
+        self._stats.links_failed += 1
+        self._link_after[name] = time.monotonic() + LINK_RETRY
+        if isinstance(error, NodeSilent):
+            self._suspect_slot_map()
+        self._batcher.spawn(link.release())
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, and no pipeline waiting for its replies."""
+        return self._batcher.idle and not any(link.busy for link in self._links.values())
+
+    def _pack(self, calls: list[Pending]) -> tuple[bytes, bool]:
+        """One pipeline of FCALLs: the calls as one ``decide_many`` call when they share a
+        slot (their keys declared, as a script call's must share one), else as one
+        ``decide_node`` call (keys not declared, flagged allow-cross-slot-keys); a lone call
+        as itself. True when batched (one reply for them all)."""
+        if len(calls) > 1:
+            first = _slot(calls[0].keys[0])
+            cross = any(_slot(call.keys[0]) != first for call in calls)
+            head = self._fcall_node if cross else self._fcall_many
+            return pack_many(head, calls, spread=cross), True
+        return pack_calls(self._fcall, 2, calls), False
+
+    async def _send_tick(self, calls: list[Pending]) -> None:
+        """A tick's calls sent before the slot map was loaded: it is loaded first (a tick
+        waits for one bounded load), then one pipeline per node, through the nodes' pools."""
+        try:
+            await self._refresh(max(call.deadline for call in calls))
+        except Exception as exc:
+            for call in calls:
+                call.resolve(exc)
+            return
+        groups = self._by_node(calls)
         for node, group in groups[1:]:
             self._batcher.spawn(self._send_pipeline(node, group))
         if groups:
@@ -413,17 +530,12 @@ class ClusterStore(Store):
             if node.name in self._loaded:
                 head = self._fcall
         # With FCALL, the node's calls go as one script run, each main key and TIME read once
-        # for them: decide_many when they share a slot (their keys declared, as a script call's
-        # must share one), else decide_node (keys not declared, flagged allow-cross-slot-keys).
-        batched = head is self._fcall and len(calls) > 1
-        if batched:
-            first = _slot(calls[0].keys[0])
-            cross = any(_slot(call.keys[0]) != first for call in calls)
-            packed = pack_many(self._fcall_node if cross else self._fcall_many, calls, spread=cross)
-            expected = 1
+        # for them (``_pack``).
+        if head is self._fcall:
+            packed, batched = self._pack(calls)
         else:
-            packed = pack_calls(head, 2, calls)
-            expected = len(calls)
+            packed, batched = pack_calls(head, 2, calls), False
+        expected = 1 if batched else len(calls)
         self._stats.round_trips += 1
         results: list[Result] = []
         connection = None
@@ -490,7 +602,23 @@ class ClusterStore(Store):
         return ServerClock()
 
     async def aclose(self) -> None:
+        give_up = time.monotonic() + CLOSE_GRACE
         await self._batcher.aclose()
+        # Pipelines on links are waited for as the batcher's are, within the same grace.
+        busy = [link.drained() for link in self._links.values() if link.busy]
+        if busy:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(give_up - time.monotonic(), 0.0)):
+                    await asyncio.gather(*busy)
+        self._closing = True
+        opening = list(self._opening.values())
+        for task in opening:
+            task.cancel()
+        await asyncio.gather(*opening, return_exceptions=True)
+        links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.fail(TimeoutError("the store was closed"))
+        await asyncio.gather(*(link.release() for link in links), return_exceptions=True)
         if self._reloading is not None:
             self._reloading.cancel()
             await asyncio.wait([self._reloading])
