@@ -87,6 +87,9 @@ REFRESH_TIMEOUT = 0.05
 #: Seconds before a node whose link failed (or could not be opened) gets a new one; its calls
 #: go through the node's connection pool meanwhile.
 LINK_RETRY = 0.5
+#: Connections a node's pool must allow for a link to take one of them for good: the rest
+#: serve retries, the slot-map loads and the app's own use of a client it gave in.
+LINK_MIN_POOL = 2
 
 
 #: Connection options a subscriber on one node takes from the cluster client's.
@@ -423,6 +426,13 @@ class ClusterStore(Store):
         going through the pool; it is tried again after ``LINK_RETRY``."""
         name = node.name
         connection = None
+        if getattr(node, "max_connections", 0) < LINK_MIN_POOL:
+            # (a user's client with a pool this small: a link would hold its only
+            # connection for good, and every other use of it, the app's or a retry's, would
+            # meet MaxConnectionsError)
+            self._link_after[name] = float("inf")
+            self._opening.pop(name, None)
+            return
         try:
             connection = node.acquire_connection()
             async with asyncio.timeout(self.deadline):
