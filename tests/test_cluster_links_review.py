@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
 import cluster
-from aiolimit import Limit, Limiter
-from tests._nodes import on_node
+from aiolimit import BackendError, Limit, Limiter
+from tests._nodes import on_node, settle
 
 pytestmark = [pytest.mark.cluster]
 
@@ -50,3 +51,163 @@ async def test_a_user_client_with_a_small_pool_keeps_serving(
         await limiter.aclose()
         await client.aclose()
     assert await stored(calm.url, prefix, ident, limits) == 10
+
+
+async def test_a_resumed_node_answers_stale_pipelines_on_no_live_link(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    """A node frozen with pipelines on its link, resumed at once: whatever it then runs of
+    the old pipelines, new calls get their own replies, and what is stored is what the
+    callers were told; the user's client (its pool had the link's connection back) reads
+    its own replies."""
+    client = RedisCluster.from_url(calm.url.replace("redis+cluster://", "redis://"))
+    node = calm.primaries()[0]
+    ident = on_node(calm, prefix, "s", node)
+    limits = [Limit(100_000, per=3600)]
+    limiter = Limiter(client, limits, prefix=prefix, deadline=0.3, failure_threshold=1_000_000)
+    admitted = 0
+
+    async def decide() -> None:
+        nonlocal admitted
+        try:
+            decision = await limiter.try_acquire(ident)
+        except BackendError:
+            return
+        assert not decision.degraded
+        admitted += decision.allowed
+
+    try:
+        for _ in range(3):
+            await asyncio.gather(*(decide() for _ in range(5)))
+        assert f"127.0.0.1:{node.port}" in store_of(limiter)._links
+        name = f"127.0.0.1:{node.port}"
+        for _ in range(3):
+            give_up = time.monotonic() + 5
+            while name not in store_of(limiter)._links:  # (a new link after LINK_RETRY)
+                assert time.monotonic() < give_up, "no link again"
+                await asyncio.gather(*(decide() for _ in range(3)))
+                await asyncio.sleep(0.05)
+            node.pause()
+            try:
+                await asyncio.gather(*(decide() for _ in range(20)))
+            finally:
+                node.resume()
+            for _ in range(10):
+                await asyncio.gather(*(decide() for _ in range(10)))
+                for i in range(5):
+                    key = f"{{{prefix}}}:user:{i}"
+                    await client.set(key, i)
+                    assert await client.get(key) == str(i).encode()
+        await settle(limiter)
+        stats = store_of(limiter).statistics()
+        assert stats.links_failed >= 3 and stats.links_opened >= 3, stats
+    finally:
+        await limiter.aclose()
+        await client.aclose()
+    assert admitted > 0
+    assert await stored(calm.url, prefix, ident, limits) == admitted
+
+
+async def test_resp3_user_client_goes_through_links(calm: cluster.Cluster, prefix: str) -> None:
+    client = RedisCluster.from_url(calm.url.replace("redis+cluster://", "redis://"), protocol=3)
+    primaries = calm.primaries()
+    a, b = on_node(calm, prefix, "r", primaries[0]), on_node(calm, prefix, "r", primaries[1])
+    limits = [Limit(10, per=3600)]
+    limiter = Limiter(client, limits, prefix=prefix, deadline=1.0)
+    try:
+        told = []
+        for _ in range(3):
+            told += await asyncio.gather(*(limiter.try_acquire([a, b]) for _ in range(5)))
+        assert sum(d.allowed for d in told) == 10
+        assert store_of(limiter).statistics().links_opened == 2
+        await settle(limiter)
+    finally:
+        await limiter.aclose()
+        await client.aclose()
+    assert await stored(calm.url, prefix, a, limits) == 10
+    assert await stored(calm.url, prefix, b, limits) == 10
+
+
+def _role(node: cluster.Node) -> str:
+    role = node.execute("ROLE")[0]
+    return role.decode() if isinstance(role, bytes) else str(role)
+
+
+async def test_a_demoted_primarys_link_sends_no_decision_to_error(
+    fresh_cluster: cluster.Cluster, prefix: str
+) -> None:
+    """A manual CLUSTER FAILOVER: the old primary, now a replica, still has a link and the
+    client's slot map still names it. Decisions on its slots (one on two of its slots: a
+    ``decide_node`` batch with no declared keys) must follow the new primary, not fail."""
+    old = fresh_cluster.primaries()[0]
+    a = on_node(fresh_cluster, prefix, "a", old)
+    b = on_node(fresh_cluster, prefix, "b", old)
+    limits = [Limit(100_000, per=3600)]
+    limiter = Limiter(fresh_cluster.url, limits, prefix=prefix, deadline=2.0)
+    admitted = 0
+    try:
+        for _ in range(3):
+            told = await asyncio.gather(*(limiter.try_acquire([a, b]) for _ in range(5)))
+            admitted += sum(decision.allowed for decision in told)
+        assert f"127.0.0.1:{old.port}" in store_of(limiter)._links
+        replica = next(
+            node for node in fresh_cluster.replicas() if int(node.execute("ROLE")[2]) == old.port
+        )
+        replica.execute("CLUSTER", "FAILOVER")
+        give_up = time.monotonic() + 10
+        while _role(old) != "slave" or _role(replica) != "master":
+            assert time.monotonic() < give_up, "no failover"
+            await asyncio.sleep(0.05)
+        errors = []
+        for _ in range(10):
+            outcomes = await asyncio.gather(
+                *(limiter.try_acquire([a, b]) for _ in range(5)), return_exceptions=True
+            )
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    errors.append(outcome)
+                else:
+                    assert not outcome.degraded
+                    admitted += outcome.allowed
+        await settle(limiter)
+        assert errors == []
+    finally:
+        await limiter.aclose()
+    assert await stored(fresh_cluster.url, prefix, a, limits) == admitted
+    assert await stored(fresh_cluster.url, prefix, b, limits) == admitted
+
+
+async def test_aclose_with_calls_on_a_frozen_nodes_link(calm: cluster.Cluster, prefix: str) -> None:
+    """``aclose`` while calls wait on the link of a frozen node (deadline longer than the
+    close grace): it returns within the grace, each call answers by its deadline, nothing is
+    left running, and what is stored is what the callers were told."""
+    client = RedisCluster.from_url(calm.url.replace("redis+cluster://", "redis://"))
+    node = calm.primaries()[0]
+    ident = on_node(calm, prefix, "z", node)
+    limits = [Limit(1000, per=3600)]
+    limiter = Limiter(client, limits, prefix=prefix, deadline=4.0, failure_threshold=10**6)
+    for _ in range(3):
+        assert (await limiter.try_acquire(ident)).allowed
+    assert f"127.0.0.1:{node.port}" in store_of(limiter)._links
+    before = asyncio.all_tasks()
+    node.pause()
+    try:
+        calls = [asyncio.ensure_future(limiter.try_acquire(ident)) for _ in range(5)]
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        await limiter.aclose()
+        took = time.monotonic() - started
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        answered = time.monotonic() - started
+    finally:
+        node.resume()
+    assert took < 2.6, took
+    assert answered < 4.2, answered
+    await asyncio.sleep(0.2)
+    left = [task for task in asyncio.all_tasks() - before if task is not asyncio.current_task()]
+    await client.aclose()
+    admitted = 3 + sum(
+        1 for outcome in outcomes if not isinstance(outcome, BaseException) and outcome.allowed
+    )
+    assert left == [], left
+    assert await stored(calm.url, prefix, ident, limits) == admitted
