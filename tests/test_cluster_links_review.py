@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -211,3 +212,41 @@ async def test_aclose_with_calls_on_a_frozen_nodes_link(calm: cluster.Cluster, p
     )
     assert left == [], left
     assert await stored(calm.url, prefix, ident, limits) == admitted
+
+
+async def test_a_link_failing_while_aclose_cancels_an_opening_is_given_back(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    """``aclose`` cancels a link still opening (to a frozen node) and awaits it; a link on
+    another node that fails meanwhile (its connection killed) must still have its connection
+    given back to the user's pool, not left checked out of it for the client's lifetime."""
+    client = RedisCluster.from_url(calm.url.replace("redis+cluster://", "redis://"))
+    frozen, other = calm.primaries()[0], calm.primaries()[1]
+    a, b = on_node(calm, prefix, "a", frozen), on_node(calm, prefix, "b", other)
+    limiter = Limiter(client, [Limit(1000, per=60)], prefix=prefix, deadline=0.3)
+    store = store_of(limiter)
+    try:
+        await limiter.try_acquire(a)  # (loads the library on the node: no link yet)
+        for _ in range(3):
+            await limiter.try_acquire(b)
+        link = store._links[f"127.0.0.1:{other.port}"]
+        held = asyncio.ensure_future(client.blpop([f"{{{a}}}:nothing"], timeout=1))
+        await asyncio.sleep(0.1)  # (the node's one free connection is taken)
+        frozen.pause()
+        try:
+            with contextlib.suppress(BackendError):
+                await limiter.try_acquire(a)  # (a link opens: its connect hangs)
+            assert f"127.0.0.1:{frozen.port}" in store._opening
+            host, port = link.connection._writer.get_extra_info("sockname")[:2]
+            other.execute("CLIENT", "KILL", "ADDR", f"{host}:{port}")
+            await store.aclose()
+        finally:
+            frozen.resume()
+        pool = client.get_node(host="127.0.0.1", port=other.port)
+        in_use = [c for c in pool._connections if c not in pool._free]
+        assert link.connection not in in_use, "the failed link's connection was never given back"
+        with contextlib.suppress(Exception):
+            await held
+    finally:
+        await limiter.aclose()
+        await client.aclose()

@@ -621,11 +621,16 @@ class ClusterStore(Store):
                 async with asyncio.timeout(max(give_up - time.monotonic(), 0.0)):
                     await asyncio.gather(*busy)
         self._closing = True
+        # The links are taken before the next await: one that fails meanwhile leaves
+        # ``_links`` (``_link_closed``, which gives nothing back once closing) and would
+        # keep its connection out of the pool for good.
+        links, self._links = list(self._links.values()), {}
         opening = list(self._opening.values())
         for task in opening:
             task.cancel()
         await asyncio.gather(*opening, return_exceptions=True)
-        links, self._links = list(self._links.values()), {}
+        links += self._links.values()  # (none: a cancelled opening adds no link)
+        self._links = {}
         for link in links:
             link.fail(TimeoutError("the store was closed"))
         await asyncio.gather(*(link.release() for link in links), return_exceptions=True)
