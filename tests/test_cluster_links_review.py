@@ -250,3 +250,110 @@ async def test_a_link_failing_while_aclose_cancels_an_opening_is_given_back(
     finally:
         await limiter.aclose()
         await client.aclose()
+
+
+@pytest.mark.parametrize("amount", [40, 1_000_000])
+async def test_silent_links_under_load_never_over_admit_nor_double_charge(
+    calm: cluster.Cluster, prefix: str, amount: int
+) -> None:
+    """30 tasks decide on [a, b] (cross-slot) with a 0.3 s deadline while a's node sleeps
+    0.4 s every 0.6 s: its links fail as NodeSilent with pipelines of many decisions on
+    them, which the node runs late. Once settled, each identifier's stored charge is the
+    number of decisions told "admitted", never above the limit."""
+    primaries = calm.primaries()
+    a, b = on_node(calm, prefix, "k", primaries[0]), on_node(calm, prefix, "k", primaries[1])
+    limits = [Limit(amount, per=3600)]
+    limiter = Limiter(calm.url, limits, prefix=prefix, deadline=0.3, failure_threshold=1_000_000)
+    admitted = 0
+    stop = asyncio.Event()
+
+    async def decide() -> None:
+        nonlocal admitted
+        while not stop.is_set():
+            try:
+                decision = await limiter.try_acquire([a, b])
+            except BackendError:
+                await asyncio.sleep(0.01)
+                continue
+            assert not decision.degraded
+            admitted += decision.allowed
+            await asyncio.sleep(0.005)
+
+    def sleeper() -> None:
+        with contextlib.suppress(Exception):
+            primaries[0].execute("DEBUG", "SLEEP", "0.4")
+
+    try:
+        await limiter.try_acquire([a, b])
+        admitted = 1
+        workers = [asyncio.ensure_future(decide()) for _ in range(30)]
+        for _ in range(4):
+            await asyncio.sleep(0.2)
+            await asyncio.to_thread(sleeper)
+        await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.gather(*workers)
+        await settle(limiter)
+        assert store_of(limiter).statistics().links_failed >= 2
+    finally:
+        await limiter.aclose()
+    assert 0 < admitted <= amount
+    assert await stored(calm.url, prefix, a, limits) == admitted
+    assert await stored(calm.url, prefix, b, limits) == admitted
+
+
+async def test_a_restarted_node_gets_a_link_again_and_charges_stay_exact(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    """A primary restarted (same port, no persistence: its keys are gone) while decisions
+    run on its link: calls answer by their deadline, the link comes back, and from then on
+    what is stored is what the callers were told."""
+    node = calm.primaries()[2]
+    ident = on_node(calm, prefix, "t", node)
+    limits = [Limit(1_000_000, per=3600)]
+    limiter = Limiter(calm.url, limits, prefix=prefix, deadline=1.0, failure_threshold=10**6)
+    name = f"127.0.0.1:{node.port}"
+    admitted = 0
+    stop = asyncio.Event()
+    slowest = 0.0
+
+    async def decide() -> None:
+        nonlocal admitted, slowest
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                decision = await limiter.try_acquire(ident)
+            except BackendError:
+                await asyncio.sleep(0.01)
+                continue
+            finally:
+                slowest = max(slowest, time.monotonic() - started)
+            admitted += decision.allowed
+
+    try:
+        for _ in range(3):
+            await limiter.try_acquire(ident)
+        assert name in store_of(limiter)._links
+        workers = [asyncio.ensure_future(decide()) for _ in range(10)]
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(node.restart)
+        await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.gather(*workers)
+        await settle(limiter)
+        assert slowest < 1.5, slowest
+        before, admitted = await stored(calm.url, prefix, ident, limits), 0
+        stop.clear()
+        workers = [asyncio.ensure_future(decide()) for _ in range(10)]
+        give_up = time.monotonic() + 5
+        while name not in store_of(limiter)._links:
+            assert time.monotonic() < give_up, "no link again"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.gather(*workers)
+        await settle(limiter)
+    finally:
+        await limiter.aclose()
+    assert admitted > 0
+    assert await stored(calm.url, prefix, ident, limits) - before == admitted
