@@ -357,3 +357,90 @@ async def test_a_restarted_node_gets_a_link_again_and_charges_stay_exact(
         await limiter.aclose()
     assert admitted > 0
     assert await stored(calm.url, prefix, ident, limits) - before == admitted
+
+
+@pytest.mark.parametrize("amount", [25, 1_000_000])
+async def test_callers_cancelled_at_random_points_on_links(
+    calm: cluster.Cluster, prefix: str, amount: int
+) -> None:
+    """Cross-slot decisions on links, their callers cancelled at random points (before the
+    check is written, with it in flight, between check and commit, with the commit in
+    flight): once the undos settle, the stored charge is what the callers were told, and
+    never above the limit."""
+    import random
+
+    primaries = calm.primaries()
+    a, b = on_node(calm, prefix, "c", primaries[0]), on_node(calm, prefix, "c", primaries[1])
+    limits = [Limit(amount, per=3600)]
+    limiter = Limiter(calm.url, limits, prefix=prefix, deadline=2.0)
+    rng = random.Random(7)
+    admitted = 0
+
+    async def decide() -> None:
+        nonlocal admitted
+        decision = await limiter.try_acquire([a, b])
+        admitted += decision.allowed
+
+    try:
+        await decide()
+        for _ in range(40):
+            tasks = [asyncio.ensure_future(decide()) for _ in range(10)]
+            await asyncio.sleep(rng.random() * 0.002)
+            for task in tasks:
+                if rng.random() < 0.5:
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await settle(limiter)
+        assert store_of(limiter).statistics().links_opened == 2
+    finally:
+        await limiter.aclose()
+    assert 0 < admitted <= amount
+    assert await stored(calm.url, prefix, a, limits) == admitted
+    assert await stored(calm.url, prefix, b, limits) == admitted
+
+
+async def test_refunds_retried_after_links_die_apply_once(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    """Refunds in flight on links killed under them (some while the node sleeps): each is
+    retried with its op id, so each applies once: stored == charged - refunded."""
+    import threading
+
+    primaries = calm.primaries()
+    a, b = on_node(calm, prefix, "r", primaries[0]), on_node(calm, prefix, "r", primaries[1])
+    limits = [Limit(1_000_000, per=3600)]
+    limiter = Limiter(calm.url, limits, prefix=prefix, deadline=3.0)
+    stop = threading.Event()
+
+    def sleep_briefly() -> None:
+        with contextlib.suppress(Exception):
+            primaries[0].execute("DEBUG", "SLEEP", "0.03")
+
+    def killer() -> None:
+        for round_ in range(10):
+            if stop.wait(0.03):
+                return
+            if round_ % 2:
+                threading.Thread(target=sleep_briefly).start()
+                time.sleep(0.005)
+            for node in primaries[:2]:
+                with contextlib.suppress(Exception):
+                    node.execute("CLIENT", "KILL", "TYPE", "normal")
+
+    try:
+        await asyncio.gather(*(limiter.try_acquire([a, b], 3) for _ in range(100)))
+        thread = threading.Thread(target=killer)
+        thread.start()
+        try:
+            for _ in range(20):
+                await asyncio.gather(*(limiter.refund([a, b], 2) for _ in range(5)))
+                await asyncio.sleep(0.02)
+        finally:
+            stop.set()
+            await asyncio.to_thread(thread.join)
+        await settle(limiter)
+        assert store_of(limiter).statistics().links_failed >= 1
+    finally:
+        await limiter.aclose()
+    assert await stored(calm.url, prefix, a, limits) == 300 - 200
+    assert await stored(calm.url, prefix, b, limits) == 300 - 200
