@@ -426,7 +426,7 @@ class ClusterStore(Store):
         going through the pool; it is tried again after ``LINK_RETRY``."""
         name = node.name
         connection = None
-        if getattr(node, "max_connections", 0) < LINK_MIN_POOL:
+        if getattr(node, "max_connections", LINK_MIN_POOL) < LINK_MIN_POOL:
             # (a user's client with a pool this small: a link would hold its only
             # connection for good, and every other use of it, the app's or a retry's, would
             # meet MaxConnectionsError)
