@@ -217,3 +217,35 @@ async def test_aclose_waits_for_pipelines_on_links(calm: cluster.Cluster, prefix
     assert all(decision.allowed for decision in told)
     assert 0.1 < took < 2.0, took
     assert await stored(calm.url, prefix, ident, limits) == 12
+
+
+async def test_a_failure_while_writing_a_tick_answers_its_calls_at_once(
+    calm: cluster.Cluster, prefix: str
+) -> None:
+    """An unexpected error while a tick's calls are packed for a link (``_send_now`` runs in
+    the tick's callback, where nobody would see it) answers those calls with the error at
+    once, as a send task's failure does: not at the 5 s deadline. The next tick is served."""
+    node = calm.primaries()[0]
+    ident = on_node(calm, prefix, "w", node)
+    limits = [Limit(1000, per=60)]
+    limiter = Limiter(calm.url, limits, prefix=prefix, deadline=5.0)
+    store = store_of(limiter)
+    try:
+        for _ in range(3):
+            assert (await limiter.try_acquire(ident)).allowed
+        assert f"127.0.0.1:{node.port}" in store._links
+        pack = store._pack
+
+        def broken(calls: Any) -> Any:
+            store._pack = pack
+            raise RuntimeError("packing failed")
+
+        store._pack = broken
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="packing failed"):  # (a bug is not a store fault)
+            await limiter.try_acquire(ident)
+        assert time.monotonic() - started < 1.0
+        assert (await limiter.try_acquire(ident)).allowed
+    finally:
+        await limiter.aclose()
+    assert await stored(calm.url, prefix, ident, limits) == 4

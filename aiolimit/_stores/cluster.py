@@ -402,15 +402,28 @@ class ClusterStore(Store):
         their node's link where it has one (``link.py``), else in a task through the node's
         pool (``_send_pipeline``), which also loads the library where it is missing; a link is
         then opened for the next ticks. False (nothing done) before the map is loaded: the
-        tick then goes as a task that loads it (``_send_tick``)."""
+        tick then goes as a task that loads it (``_send_tick``).
+
+        It runs in the tick's callback, where an error would reach nobody: an unexpected one
+        answers the calls not sent yet at once, as a failed send task does."""
         if self.client._initialize or self._closing:
             return False
-        groups = self._by_node(calls)
+        try:
+            groups = self._by_node(calls)
+        except Exception as error:
+            for call in calls:
+                call.resolve(error)
+            return True
         for node, group in groups:
             name = node.name
             link = self._links.get(name)
             if link is not None and link.usable and name in self._loaded:
-                packed, batched = self._pack(group)
+                try:
+                    packed, batched = self._pack(group)
+                except Exception as error:
+                    for call in group:
+                        call.resolve(error)
+                    continue
                 self._stats.round_trips += 1
                 link.send(packed, group, batched)
                 continue
