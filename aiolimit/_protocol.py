@@ -104,7 +104,7 @@ from aiolimit._lease import Lease
 from aiolimit._ops import Op, OpLedger
 from aiolimit._retry import backoff
 from aiolimit._rules import IdentifierPlan
-from aiolimit._stores.base import Store
+from aiolimit._stores.base import Store, was_unsent
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,8 +447,10 @@ class Protocol:
                 else:
                     result = await self.decide(ACQUIRE, plans, weight, op, max_wait_us)
             except BaseException as error:
-                if getattr(error, "_aiolimit_undone", None) == op.stamp or isinstance(
-                    error, ClockError
+                if (
+                    getattr(error, "_aiolimit_undone", None) == op.stamp
+                    or isinstance(error, ClockError)
+                    or was_unsent(error)
                 ):
                     self.ops.settle(keys, op)  # the two phases undid it, or nothing was sent
                 else:

@@ -23,6 +23,19 @@ Arg = str | int | bytes
 Result = Reply | BaseException
 
 
+def mark_unsent(error: BaseException) -> BaseException:
+    """Marks ``error`` as met before the call was written on any connection (no connection
+    could be made: nothing listens, AUTH or SELECT refused at the handshake): the call
+    cannot have run, so the protocol undoes nothing. Only a store that knows sets it."""
+    error._aiolimit_unsent = True  # type: ignore[attr-defined]
+    return error
+
+
+def was_unsent(error: BaseException) -> bool:
+    """True if the store marked ``error`` with ``mark_unsent``."""
+    return getattr(error, "_aiolimit_unsent", False) is True
+
+
 class ScriptCall(Protocol):
     """What a store needs of a call: the KEYS and ARGV to send (``aiolimit._calls.Call``)."""
 

@@ -21,7 +21,7 @@ from aiolimit._connection import (
     messages,
 )
 from aiolimit._stores import resp
-from aiolimit._stores.base import Arg, Result, ScriptCall, Store
+from aiolimit._stores.base import Arg, Result, ScriptCall, Store, mark_unsent, was_unsent
 from aiolimit._stores.batching import Pending, TickBatcher
 from aiolimit._stores.resp import (
     HIREDIS_PARSER,
@@ -129,7 +129,10 @@ class RedisStore(Store):
                     raise  # cancelled
                 if not isinstance(error, RedisConnectionError):
                     return mapped(error, self.address)  # (what ``_execute`` makes of it)
-                return (await self._execute((call,)))[0]
+                result = (await self._execute((call,)))[0]
+                if isinstance(result, BaseException):  # (the first write may have gone out)
+                    result._aiolimit_unsent = False  # type: ignore[attr-defined]
+                return result
             if self._keep and len(self._idle) < self.KEEP_CONNECTIONS:
                 self._idle.append(connection)
             else:
@@ -174,7 +177,11 @@ class RedisStore(Store):
         """Every call's reply or error (mapped); a cancellation is raised."""
         try:
             if self._words is None:
-                await self._load()
+                try:
+                    await self._load()
+                except Exception as error:  # (before any of these calls was written)
+                    mark_unsent(error)
+                    raise
             results = await self._pipeline(calls)
             missing = [i for i, result in enumerate(results) if is_noscript(result)]
             if missing:
@@ -187,6 +194,8 @@ class RedisStore(Store):
                     results[i] = result
         except Exception as error:  # the connection failed: every call in it did
             failure = mapped(error, self.address)
+            if was_unsent(error):  # (no connection could be made: none of them ran)
+                mark_unsent(failure)
             return [failure for _ in calls]
         return [
             mapped(result, self.address) if isinstance(result, BaseException) else result
@@ -287,7 +296,11 @@ class RedisStore(Store):
             count = 1
         else:
             packed = pack_calls(self._head, 2, calls)
-        connection = await self._connection()
+        try:
+            connection = await self._connection()
+        except Exception as error:  # (nothing written yet: these calls cannot have run)
+            mark_unsent(error)
+            raise
         replies: list[Any] = []
         try:
             replies = await self._pipeline_on(connection, packed, count, replies)
