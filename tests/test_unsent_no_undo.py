@@ -54,3 +54,23 @@ async def test_a_handshake_refused_by_the_server_leaves_no_undo_behind(redis_url
         await limiter.aclose()
         took = time.monotonic() - started
     assert took < 1.0, f"aclose waited {took:.2f} s"
+
+
+async def test_a_cluster_that_cannot_be_reached_leaves_no_undo_behind() -> None:
+    """No seed answers: the slot map never loads, so no call is ever written (each retry
+    fails at the map's load, before sending)."""
+    limiter = Limiter(
+        f"redis+cluster://127.0.0.1:{closed_port()}", [Limit(5, per=60)], deadline=1.0
+    )
+    try:
+        try:
+            await limiter.try_acquire("ip:1")
+        except BackendUnavailable:
+            pass
+        assert not limiter._protocol._tasks, "an undo was started for a call never sent"
+        assert limiter._protocol.ops.unsettled() == 0
+    finally:
+        started = time.monotonic()
+        await limiter.aclose()
+        took = time.monotonic() - started
+    assert took < 1.0, f"aclose waited {took:.2f} s"

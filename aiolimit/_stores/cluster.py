@@ -56,7 +56,7 @@ from aiolimit._connection import (
 from aiolimit._deadline import current_deadline
 from aiolimit._errors import BackendUnavailable, ConfigurationError
 from aiolimit._retry import RetryStatistics, call_with_retries, check_deadline_seconds
-from aiolimit._stores.base import Arg, Reply, Result, ScriptCall, Store
+from aiolimit._stores.base import Arg, Reply, Result, ScriptCall, Store, mark_unsent, was_unsent
 from aiolimit._stores.batching import (
     CLOSE_GRACE,
     Pending,
@@ -319,11 +319,18 @@ class ClusterStore(Store):
         elif is_redirect(first) or unserved:
             self._stats.redirects += 1
 
+        # Whether any try may have written the call: while none has (each failed at the slot
+        # map's load, as the first did, ``_send_tick``), the call cannot have run.
+        sent = not was_unsent(first)
+
         async def attempt() -> Reply:
+            nonlocal sent
             # Sent again later (after a backoff, through a failover): judged then, not at the
             # time read before the first attempt (``resend_args``).
             args = resend_args(call)
             try:
+                await self._refresh(self._deadline())  # (a no-op once the map is loaded)
+                sent = True
                 if is_noscript(first):
                     return await self._send("EVAL", keys, args)
                 return await self._eval(keys, args)
@@ -341,7 +348,7 @@ class ClusterStore(Store):
                 failed=first if is_retryable(first) and not is_redirect(first) else None,
             )
         except Exception as exc:
-            return exc
+            return exc if sent else mark_unsent(exc)
 
     # --- several calls ----------------------------------------------------------------------
 
@@ -373,6 +380,8 @@ class ClusterStore(Store):
         for index, result in enumerate(results):
             if isinstance(result, BaseException):
                 error = mapped(result, self.address, cluster=True)
+                if was_unsent(result):
+                    mark_unsent(error)
                 error.fault_domain = self.fault_domain(calls[index].keys[0])  # type: ignore[attr-defined]
                 results[index] = error
         return results
@@ -513,9 +522,9 @@ class ClusterStore(Store):
         waits for one bounded load), then one pipeline per node, through the nodes' pools."""
         try:
             await self._refresh(max(call.deadline for call in calls))
-        except Exception as exc:
+        except Exception as exc:  # (no slot map: nothing of these calls was written)
             for call in calls:
-                call.resolve(exc)
+                call.resolve(mark_unsent(exc))
             return
         groups = self._by_node(calls)
         for node, group in groups[1:]:
