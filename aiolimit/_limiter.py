@@ -1040,10 +1040,12 @@ class Acquisition:
 
 
 def _unsent(error: BaseException) -> bool:
-    """The refund that raised ``error`` sent nothing (its cause chain is marked so)."""
+    """The refund that raised ``error`` sent nothing (its cause chain is marked so by
+    ``Protocol.refund``: it never left the line for its keys). A store's own ``mark_unsent``
+    does not count: that refund is sent again in the background all the same."""
     seen: BaseException | None = error
     while seen is not None:
-        if getattr(seen, "_aiolimit_unsent", False):
+        if getattr(seen, "_aiolimit_refund_unsent", False):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

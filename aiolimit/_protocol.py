@@ -549,7 +549,9 @@ class Protocol:
         try:
             slots = await self._enter(keys)
         except BaseException as error:  # (cancelled, or out of time, in line: nothing sent)
-            error._aiolimit_unsent = True  # type: ignore[attr-defined]
+            # (a mark of its own: a store's ``mark_unsent`` on a refund's error does not stop
+            # the resend in the background below, so the caller may not refund again)
+            error._aiolimit_refund_unsent = True  # type: ignore[attr-defined]
             raise
         op = self.ops.open(keys)
 
