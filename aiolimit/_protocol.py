@@ -694,6 +694,10 @@ class Protocol:
             error = exc
         if error is not None:
             self.statistics.compensation_errors += 1
+            if was_unsent(error):
+                # The undo was never written, but the commits before it were (or may have
+                # been): raised to ``acquire``, the mark would settle the op with no undo.
+                error._aiolimit_unsent = False  # type: ignore[attr-defined]
             raise error
         if self.on_given_back is not None:
             self.on_given_back([plan for call in calls for plan in call.plans])
