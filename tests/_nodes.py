@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from redis.crc import key_slot
 
 import cluster
-from aiolimit import Limiter
+from aiolimit import Limit, Limiter
 from aiolimit._keys import main_key
 
 
@@ -31,3 +32,16 @@ async def settle(limiter: Limiter, within: float = 10.0) -> None:
     while protocol._tasks or not store.idle:  # type: ignore[attr-defined]
         assert time.monotonic() < stop, "background work did not settle"
         await asyncio.sleep(0.01)
+
+
+def store_of(limiter: Limiter) -> Any:
+    """The limiter's store (for its links and statistics)."""
+    return limiter._protocol._store
+
+
+async def stored(url: str, prefix: str, ident: str, limits: list[Limit]) -> int:
+    """What a fresh limiter's peek reads for ``ident``: the units charged under the first
+    limit (no ledger, no cache: what is stored now)."""
+    async with Limiter(url, limits, prefix=prefix, deadline=2.0) as fresh:
+        decision = await fresh.peek(ident)
+        return limits[0].amount - decision.details[0].remaining

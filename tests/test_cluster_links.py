@@ -20,20 +20,9 @@ import pytest
 
 import cluster
 from aiolimit import BackendError, Limit, Limiter
-from tests._nodes import on_node, settle
+from tests._nodes import on_node, settle, store_of, stored
 
 pytestmark = [pytest.mark.cluster]
-
-
-def store_of(limiter: Limiter) -> Any:
-    return limiter._protocol._store
-
-
-async def stored(url: str, prefix: str, ident: str, limits: list[Limit]) -> int:
-    """What a fresh limiter's peek reads for ``ident``: the units charged (one limit)."""
-    async with Limiter(url, limits, prefix=prefix, deadline=2.0) as fresh:
-        decision = await fresh.peek(ident)
-        return limits[0].amount - decision.details[0].remaining
 
 
 async def test_decisions_go_through_one_link_per_node(calm: cluster.Cluster, prefix: str) -> None:

@@ -5,26 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
 import cluster
 from aiolimit import BackendError, Limit, Limiter
-from tests._nodes import on_node, settle
+from tests._nodes import on_node, settle, store_of, stored
 
 pytestmark = [pytest.mark.cluster]
-
-
-def store_of(limiter: Limiter) -> Any:
-    return limiter._protocol._store
-
-
-async def stored(url: str, prefix: str, ident: str, limits: list[Limit]) -> int:
-    async with Limiter(url, limits, prefix=prefix, deadline=2.0) as fresh:
-        decision = await fresh.peek(ident)
-        return limits[0].amount - decision.details[0].remaining
 
 
 @pytest.mark.parametrize("pool", [1, 2])
