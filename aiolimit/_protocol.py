@@ -104,7 +104,7 @@ from aiolimit._lease import Lease
 from aiolimit._ops import Op, OpLedger
 from aiolimit._retry import backoff
 from aiolimit._rules import IdentifierPlan
-from aiolimit._stores.base import Store, was_unsent
+from aiolimit._stores.base import Store, clear_unsent, was_unsent
 
 
 @dataclass(frozen=True, slots=True)
@@ -694,11 +694,9 @@ class Protocol:
             error = exc
         if error is not None:
             self.statistics.compensation_errors += 1
-            if was_unsent(error):
-                # The undo was never written, but the commits before it were (or may have
-                # been): raised to ``acquire``, the mark would settle the op with no undo.
-                error._aiolimit_unsent = False  # type: ignore[attr-defined]
-            raise error
+            # The undo may never have been written, but the commits before it were (or may
+            # have been): raised to ``acquire``, its mark would settle the op with no undo.
+            raise clear_unsent(error)
         if self.on_given_back is not None:
             self.on_given_back([plan for call in calls for plan in call.plans])
 

@@ -31,6 +31,14 @@ def mark_unsent(error: BaseException) -> BaseException:
     return error
 
 
+def clear_unsent(error: BaseException) -> BaseException:
+    """Takes the mark off ``error`` where it no longer holds for what the error is raised
+    for (a resend after a write that may have gone out; an undo raised for the commits)."""
+    if was_unsent(error):
+        error._aiolimit_unsent = False  # type: ignore[attr-defined]
+    return error
+
+
 def was_unsent(error: BaseException) -> bool:
     """True if the store marked ``error`` with ``mark_unsent``."""
     return getattr(error, "_aiolimit_unsent", False) is True

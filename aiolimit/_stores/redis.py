@@ -21,7 +21,15 @@ from aiolimit._connection import (
     messages,
 )
 from aiolimit._stores import resp
-from aiolimit._stores.base import Arg, Result, ScriptCall, Store, mark_unsent, was_unsent
+from aiolimit._stores.base import (
+    Arg,
+    Result,
+    ScriptCall,
+    Store,
+    clear_unsent,
+    mark_unsent,
+    was_unsent,
+)
 from aiolimit._stores.batching import Pending, TickBatcher
 from aiolimit._stores.resp import (
     HIREDIS_PARSER,
@@ -131,7 +139,7 @@ class RedisStore(Store):
                     return mapped(error, self.address)  # (what ``_execute`` makes of it)
                 result = (await self._execute((call,)))[0]
                 if isinstance(result, BaseException):  # (the first write may have gone out)
-                    result._aiolimit_unsent = False  # type: ignore[attr-defined]
+                    clear_unsent(result)
                 return result
             if self._keep and len(self._idle) < self.KEEP_CONNECTIONS:
                 self._idle.append(connection)
