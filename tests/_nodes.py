@@ -4,6 +4,8 @@ flood one node and watch the others."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from typing import Any
 
@@ -45,3 +47,26 @@ async def stored(url: str, prefix: str, ident: str, limits: list[Limit]) -> int:
     async with Limiter(url, limits, prefix=prefix, deadline=2.0) as fresh:
         decision = await fresh.peek(ident)
         return limits[0].amount - decision.details[0].remaining
+
+
+def kill_clients_repeatedly(
+    nodes: list[cluster.Node], stop: threading.Event, rounds: int, every: float
+) -> None:
+    """Run in a thread: every ``every`` seconds (``rounds`` times, or until ``stop``), kills
+    the normal clients of ``nodes`` (the limiter's links among them); every other round
+    during a 30 ms DEBUG SLEEP of the first node, so that calls are queued, or ran with
+    their replies lost, when their connection dies."""
+
+    def sleep_briefly() -> None:
+        with contextlib.suppress(Exception):  # (its own connection may be killed too)
+            nodes[0].execute("DEBUG", "SLEEP", "0.03")
+
+    for round_ in range(rounds):
+        if stop.wait(every):
+            return
+        if round_ % 2:
+            threading.Thread(target=sleep_briefly).start()
+            time.sleep(0.005)
+        for node in nodes:
+            with contextlib.suppress(Exception):
+                node.execute("CLIENT", "KILL", "TYPE", "normal")

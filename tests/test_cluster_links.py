@@ -20,7 +20,7 @@ import pytest
 
 import cluster
 from aiolimit import BackendError, Limit, Limiter
-from tests._nodes import on_node, settle, store_of, stored
+from tests._nodes import kill_clients_repeatedly, on_node, settle, store_of, stored
 
 pytestmark = [pytest.mark.cluster]
 
@@ -65,20 +65,8 @@ async def test_links_killed_with_replies_in_flight_lose_and_double_no_charge(
     admitted = 0
     stop = threading.Event()
 
-    def sleep_briefly() -> None:
-        with contextlib.suppress(Exception):  # (its own connection may be killed too)
-            primaries[0].execute("DEBUG", "SLEEP", "0.03")
-
     def killer() -> None:
-        for round_ in range(12):
-            if stop.wait(0.04):
-                return
-            if round_ % 2:
-                threading.Thread(target=sleep_briefly).start()
-                time.sleep(0.005)
-            for node in primaries[:2]:
-                with contextlib.suppress(Exception):
-                    node.execute("CLIENT", "KILL", "TYPE", "normal")
+        kill_clients_repeatedly(primaries[:2], stop, rounds=12, every=0.04)
 
     async def decide(count: int) -> None:
         nonlocal admitted

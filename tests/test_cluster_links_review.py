@@ -11,7 +11,7 @@ from redis.asyncio.cluster import RedisCluster
 
 import cluster
 from aiolimit import BackendError, Limit, Limiter
-from tests._nodes import on_node, settle, store_of, stored
+from tests._nodes import kill_clients_repeatedly, on_node, settle, store_of, stored
 
 pytestmark = [pytest.mark.cluster]
 
@@ -401,20 +401,8 @@ async def test_refunds_retried_after_links_die_apply_once(
     limiter = Limiter(calm.url, limits, prefix=prefix, deadline=3.0)
     stop = threading.Event()
 
-    def sleep_briefly() -> None:
-        with contextlib.suppress(Exception):
-            primaries[0].execute("DEBUG", "SLEEP", "0.03")
-
     def killer() -> None:
-        for round_ in range(10):
-            if stop.wait(0.03):
-                return
-            if round_ % 2:
-                threading.Thread(target=sleep_briefly).start()
-                time.sleep(0.005)
-            for node in primaries[:2]:
-                with contextlib.suppress(Exception):
-                    node.execute("CLIENT", "KILL", "TYPE", "normal")
+        kill_clients_repeatedly(primaries[:2], stop, rounds=10, every=0.03)
 
     try:
         await asyncio.gather(*(limiter.try_acquire([a, b], 3) for _ in range(100)))
