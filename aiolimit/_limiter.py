@@ -30,7 +30,8 @@ from aiolimit._failure import BreakerStatistics, CircuitBreaker, FailurePolicy, 
 from aiolimit._follow import RulesFollower, publish
 from aiolimit._keys import check_prefix, identifier_kind
 from aiolimit._limits import BaseLimit
-from aiolimit._protocol import HELD_TURNS, Protocol, Turn
+from aiolimit._prefetch import MAX_PREFETCH, Allowances, eligible
+from aiolimit._protocol import HELD_TURNS, KeepOpen, Protocol, Turn
 from aiolimit._refusals import DEFAULT_SIZE, RefusalCache
 from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight, identifiers_of
 from aiolimit._ruleset import RuleSet
@@ -80,6 +81,9 @@ class LimiterStatistics:
     rules_rejected: int
     #: The failure policy's circuit breaker: state and counters (see ``aiolimit._failure``).
     breaker: BreakerStatistics
+    #: Admissions made in this process from prefetched units (``prefetch``), with no round
+    #: trip (counted in ``allowed`` too).
+    prefetched: int = 0
 
 
 class Limiter:
@@ -97,6 +101,13 @@ class Limiter:
     Refunds and resets made through this limiter drop the entries; those made by another
     process are seen only when the entry expires (see ``aiolimit._refusals``).
     ``refusal_cache_size`` bounds it in identifiers.
+
+    ``prefetch=N`` (sliding and fixed window counters only) lets identifiers that are busy in
+    this process take up to ``N`` units ahead in the call that charges them, and admits later
+    calls on them from those units here, with no round trip, until the current bucket of their
+    limits ends (1 s at most); what is left is given back then. Never over-admits (see
+    ``aiolimit._prefetch``); other processes may be refused while units are held here, and a
+    reset made by another process is not seen until then.
     """
 
     def __init__(
@@ -118,6 +129,7 @@ class Limiter:
         rules_interval: float = 1.0,
         override_cache_size: int = 100_000,
         metrics: Metrics | None = None,
+        prefetch: int = 0,
     ) -> None:
         # Failure policy (aiolimit._failure): each decision gets `deadline` seconds ("auto":
         # 1 s, or 5 s on a cluster so a failover is ridden through); a store
@@ -167,6 +179,14 @@ class Limiter:
             self._protocol.on_given_back = lambda plans: refusals.forget(
                 plan.identifier for plan in plans
             )
+        # prefetch (aiolimit._prefetch): busy identifiers take units ahead, admitted here.
+        prefetch = check_int("prefetch", prefetch, 0, MAX_PREFETCH)
+        if prefetch and count_refused:
+            raise ConfigurationError(
+                "prefetch cannot be combined with count_refused=True: a call that takes units "
+                "ahead and is refused would count them all as a penalty"
+            )
+        self._prefetch = Allowances(prefetch, self._protocol, self.clock) if prefetch else None
         self._counts = {
             "decisions": 0,
             "allowed": 0,
@@ -471,6 +491,35 @@ class Limiter:
             decision = _enforced_summary(decision, {p.identifier for p in plans if p.shadow})
         return decision
 
+    async def _prefetching(
+        self, prefetch: Allowances, plans: list[IdentifierPlan], weight: int
+    ) -> Decision:
+        """The store's decision for a call that may take units ahead (``prefetch``)."""
+        clock = self.clock
+        extra = prefetch.extra(plans, weight)
+        if extra:
+            held = KeepOpen()
+            token = HELD_TURNS.set(held)
+            sent = clock.monotonic()
+            try:
+                decision = await self._decide(ACQUIRE, plans, weight + extra)
+            except BaseException:
+                for turn in held:  # (none: a turn is held only once the call returned)
+                    self._protocol.end_turn(turn, undo=True)
+                raise
+            finally:
+                HELD_TURNS.reset(token)
+            if held:
+                return prefetch.opened(plans, weight, extra, held[0], decision, sent)
+            if decision.allowed or decision.degraded:
+                return decision  # (the failure policy's answer: nothing was charged)
+            # Refused with the units ahead, which charged nothing: asked again for its own.
+            prefetch.observe(plans, weight, decision, sent)
+        sent = clock.monotonic()
+        decision = await self._decide(ACQUIRE, plans, weight)
+        prefetch.observe(plans, weight, decision, sent)
+        return decision
+
     def _screen(self, plans: list[IdentifierPlan]) -> list[IdentifierPlan] | Decision:
         """Leaves out the allowed (exempt) identifiers; a denied one refuses at once."""
         counts = self._counts
@@ -532,6 +581,19 @@ class Limiter:
         self, plans: list[IdentifierPlan], weight: int, max_wait_us: int
     ) -> Decision:
         counts = self._counts
+        prefetch = self._prefetch
+        if prefetch is not None and max_wait_us == 0:
+            self._check_usable()
+            if prefetch.local % CACHED_YIELD_EVERY == CACHED_YIELD_EVERY - 1:
+                # As a cached refusal: a caller looping on local admissions must let the
+                # event loop run. Before the units are taken: a caller cancelled here has
+                # taken nothing.
+                await asyncio.sleep(0)
+            local = prefetch.take(plans, weight)
+            if local is not None:
+                counts["decisions"] += 1
+                counts["allowed"] += 1
+                return local
         refusals = self._refusals
         sent_at = 0.0
         epoch = 0
@@ -553,7 +615,10 @@ class Limiter:
                     # would never let the event loop run (replies, timers, other tasks).
                     await asyncio.sleep(0)
                 return cached
-        decision = await self._decide(ACQUIRE, plans, weight, max_wait_us)
+        if prefetch is not None and max_wait_us == 0 and eligible(plans, self._store.single_slot):
+            decision = await self._prefetching(prefetch, plans, weight)
+        else:
+            decision = await self._decide(ACQUIRE, plans, weight, max_wait_us)
         counts["decisions"] += 1
         if decision.allowed:
             counts["allowed"] += 1
@@ -869,6 +934,9 @@ class Limiter:
         plans = self._rules.plans(ids)
         self._check_usable()
         self._failure.check_open(self._breakers(plans))
+        if self._prefetch is not None:
+            # Units held here were charged before the reset: not to be admitted after it.
+            self._prefetch.drop({plan.identifier for plan in plans})
         refusals = self._refusals
         if refusals is not None:
             refusals.forget(plan.identifier for plan in plans)
@@ -904,6 +972,7 @@ class Limiter:
             multi_slot_decisions=protocol.multi_slot,
             compensations=protocol.compensations,
             cached_refusals=0 if self._refusals is None else self._refusals.hits,
+            prefetched=0 if self._prefetch is None else self._prefetch.local,
             rules_version=None if follower is None else follower.statistics.version,
             rules_reloads=0 if follower is None else follower.statistics.reloads,
             rules_rejected=0 if follower is None else follower.statistics.rejected,
@@ -923,6 +992,8 @@ class Limiter:
             await self._follower.aclose()
         if self._metrics is not None:
             self._metrics.unbind(self)
+        if self._prefetch is not None:
+            self._prefetch.close()  # (what they hold is given back before the store closes)
         await self._protocol.aclose()
         await self._store.aclose()
 

@@ -121,6 +121,13 @@ class Turn:
 #: appends the turn it reserved, and leaves its op open for the caller to end.
 HELD_TURNS: ContextVar[list[Turn] | None] = ContextVar("aiolimit_held_turns", default=None)
 
+
+class KeepOpen(list[Turn]):
+    """Set as ``HELD_TURNS`` around a decision whose admission takes units ahead (a prefetched
+    allowance, ``aiolimit._prefetch``): its op is kept open whatever its delay, for the
+    allowance to give back what it does not use (``Protocol.give_back``)."""
+
+
 T = TypeVar("T")
 logger = logging.getLogger("aiolimit")
 
@@ -459,7 +466,11 @@ class Protocol:
         finally:
             self._leave(slots)
         held = HELD_TURNS.get()
-        if held is not None and result.allowed and any(p.retry_after > 0 for p in result.details):
+        if (
+            held is not None
+            and result.allowed
+            and (type(held) is KeepOpen or any(p.retry_after > 0 for p in result.details))
+        ):
             # A reserved turn: its caller waits for it, and may be cancelled meanwhile. The op
             # stays open until the caller hands it back (``end_turn``), so that its undo
             # still finds it.
@@ -536,6 +547,15 @@ class Protocol:
         the next waiter) until the store answers."""
         if undo:
             self._spawn(self._settle(turn.plans, turn.weight, turn.op, turn.keys))
+        else:
+            self.ops.settle(turn.keys, turn.op)
+
+    def give_back(self, turn: Turn, weight: int) -> None:
+        """Settles a kept-open op (``KeepOpen``): with ``weight``, that much of what it charged
+        is given back first, by an undo of the op for that weight (it credits each key at the
+        time the op charged it, once) in the background, until the store answers."""
+        if weight:
+            self._spawn(self._settle(turn.plans, weight, turn.op, turn.keys))
         else:
             self.ops.settle(turn.keys, turn.op)
 

@@ -1,0 +1,324 @@
+"""Prefetched allowances (``Limiter(..., prefetch=N)``): admissions made in this process from
+capacity taken ahead in the store, with no round trip.
+
+A call on identifiers that are busy in this process (a second call within the current bucket
+of their limits) asks the store for its weight plus up to ``N`` more units, in the same
+all-or-nothing script call and under the same op as any acquire. The extra units are this
+process's *allowance*: later calls on the same identifiers take from it locally, until it is
+used up or the bucket it was charged in ends, whichever comes first. Then what is left is
+given back with an undo of that op (the undo credits the bucket the op charged, at the time it
+charged it), so the store ends up counting exactly what was admitted.
+
+Why this never over-admits. Only sliding and fixed window counters take part (``Limit``,
+``FixedWindow``): they count per bucket, and a unit admitted at any instant of a bucket counts
+the same as one charged at its start. An allowance is used only while the store's time is
+still in the bucket the op charged in: that bucket ends ``reset_after - (n - 1) * precision``
+after the script ran (``reset_after`` as the reply gives it for an admitted pair of ``n``
+buckets), and the script ran after the call was sent, so the store's time at a local instant
+``m`` is at most ``reply time + (m - sent)``. The allowance ends ``margin`` before that bound.
+A unit taken later than that goes to the store. So every admitted unit is counted in its own
+bucket (or a later one, when the key's time ran ahead of the call's), and while an allowance
+lives the store counts its unused units too: other processes can only be refused early, never
+admitted past a limit.
+
+Sizing. An allowance is taken only on identifiers seen this bucket already, and is at most
+twice the weight they were admitted in the bucket so far (the previous bucket's, when they were
+busy then), at most ``N`` and at most a quarter of what the store said remains: an identifier
+with one call per bucket never pays for one, and near a limit allowances shrink to nothing. A
+refused prefetch charged nothing; the call is made again for its own weight alone.
+
+What it does not see: a reset (or a refund) made by another process. A reset elsewhere wipes
+the units this process holds from the store's count; until its allowance ends (at most one
+bucket, at most ``N`` units per set of identifiers) this process may admit them on top of the
+count the store restarted. A reset through this limiter drops its allowances first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from aiolimit._decision import Charge, Decision, PairDecision, made_decision
+from aiolimit._protocol import Turn
+from aiolimit._rules import IdentifierPlan
+
+if TYPE_CHECKING:
+    from aiolimit._clock import Clock
+    from aiolimit._protocol import Protocol
+
+#: The largest ``prefetch``.
+MAX_PREFETCH = 1_000_000
+#: An allowance ends this long before the bucket it was charged in can have ended in the
+#: store's time (seconds), plus a thousandth of its length (the two clocks' rates may differ).
+MARGIN = 0.001
+#: An allowance shorter than this is not worth taking (seconds).
+MIN_LIFE = 0.002
+#: An allowance lives at most this long (seconds): a long bucket (a fixed window of an hour)
+#: would otherwise keep its units from other processes, and its op open, that long.
+MAX_LIFE = 1.0
+#: At most this share of what the store said remains is taken ahead (1 / SHARE).
+SHARE = 4
+#: Identifiers remembered for sizing (live allowances come on top): past this, forgotten.
+MAX_HINTS = 100_000
+
+_new_pair = tuple.__new__
+
+
+def _bucket_left(pair: PairDecision) -> float | None:
+    """Seconds from the script's time to the end of the bucket an admitted pair charged, or
+    None when the pair cannot take part."""
+    wire = pair.limit._wire
+    if wire[0] != "sw" and wire[0] != "fw":
+        return None
+    period_us, precision_us = wire[2], wire[3]
+    buckets = -(-period_us // precision_us)
+    left_us = round(pair.reset_after * 1_000_000) - (buckets - 1) * precision_us
+    if left_us <= 0 or left_us > precision_us:
+        return None
+    return left_us / 1_000_000
+
+
+def eligible(plans: Sequence[IdentifierPlan], single_slot: bool) -> bool:
+    """Whether calls on ``plans`` may take allowances: window counters only, one slot."""
+    if not plans or (len(plans) > 1 and not single_slot):
+        return False
+    for plan in plans:
+        if plan.shadow or plan.has_leases:
+            return False
+        for limit in plan.limits:
+            code = limit._wire[0]
+            if code != "sw" and code != "fw":
+                return False
+    return True
+
+
+class Allowance:
+    """Units taken ahead on one set of identifiers, and how busy they are (for sizing).
+
+    ``turn`` is None for a hint only (no units held): what the last decision said remains
+    (``remaining``), and the weight admitted (``used``) while ``until`` (this process's
+    monotonic time) had not passed."""
+
+    __slots__ = (
+        "details", "left", "plans", "remaining", "sent", "timer", "turn", "until", "used",
+    )  # fmt: skip
+
+    def __init__(self, plans: Sequence[IdentifierPlan]) -> None:
+        self.plans = plans
+        self.turn: Turn | None = None
+        self.left = 0
+        self.until = -math.inf
+        self.sent = 0.0
+        self.used = 0
+        self.remaining = 0
+        self.details: tuple[PairDecision, ...] = ()
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Allowances:
+    """This limiter's allowances, keyed by the call's identifiers (in order)."""
+
+    def __init__(self, size: int, protocol: Protocol, clock: Clock) -> None:
+        self.size = size
+        self._protocol = protocol
+        self._clock = clock
+        self._by_ids: dict[tuple[str, ...] | str, Allowance] = {}
+        self._eligible: dict[int, tuple[Sequence[IdentifierPlan], bool]] = {}
+        self.local = 0  # admissions made from allowances
+        self.taken = 0  # allowances taken
+        self.returned = 0  # allowances that gave units back
+
+    @staticmethod
+    def key(plans: Sequence[IdentifierPlan]) -> tuple[str, ...] | str:
+        if len(plans) == 1:
+            return plans[0].identifier
+        return tuple(plan.identifier for plan in plans)
+
+    def take(self, plans: Sequence[IdentifierPlan], weight: int) -> Decision | None:
+        """An admission from a live allowance on these plans, or None (ask the store)."""
+        entry = self._by_ids.get(plans[0].identifier if len(plans) == 1 else self.key(plans))
+        if entry is None or entry.left < weight or entry.turn is None:
+            return None
+        held = entry.plans
+        for mine, theirs in zip(plans, held, strict=False):
+            if mine.limits is not theirs.limits and mine.limits != theirs.limits:
+                return None
+        if len(plans) != len(held):
+            return None
+        now = self._clock.monotonic()
+        if now >= entry.until:
+            self._finish(entry)
+            return None
+        entry.left -= weight
+        entry.used += weight
+        self.local += 1
+        return self._decision(entry, weight, now)
+
+    def extra(self, plans: Sequence[IdentifierPlan], weight: int) -> int:
+        """How many units to take ahead on a call the store must decide (0: none)."""
+        entry = self._by_ids.get(self.key(plans))
+        if entry is None or entry.used == 0:
+            return 0
+        now = self._clock.monotonic()
+        if now < entry.until:
+            demand = 2 * entry.used  # busy in this bucket: twice what it took so far
+        elif now - entry.until < entry.until - entry.sent:
+            demand = entry.used  # busy in the bucket before: as much again
+        else:
+            return 0
+        room = min((plan.max_weight for plan in plans), default=0) - weight
+        return max(min(self.size, demand, entry.remaining // SHARE, room), 0)
+
+    def observe(
+        self, plans: Sequence[IdentifierPlan], weight: int, decision: Decision, sent: float
+    ) -> None:
+        """Notes a decision the store made for ``weight`` alone (sizing only)."""
+        if decision.degraded or not decision.details:
+            return
+        key = self.key(plans)
+        entry = self._by_ids.get(key)
+        now = self._clock.monotonic()
+        if entry is not None and entry.turn is not None and now >= entry.until:
+            self._finish(entry)
+        if entry is None:
+            if len(self._by_ids) >= MAX_HINTS:
+                self._forget_hints()
+            entry = Allowance(plans)
+            self._by_ids[key] = entry
+        entry.remaining = decision.remaining
+        if not decision.allowed:
+            return
+        if now < entry.until and entry.plans is plans:
+            entry.used += weight
+            return
+        life = self._life(decision.details, sent)
+        if life is None:
+            return
+        if entry.turn is not None:
+            return  # (a live allowance with too little left for this call: it ends on its own)
+        entry.plans = plans
+        entry.until = life
+        entry.sent = sent
+        entry.used = weight
+
+    def opened(
+        self, plans: Sequence[IdentifierPlan], weight: int, extra: int, turn: Turn,
+        decision: Decision, sent: float,
+    ) -> Decision:  # fmt: skip
+        """A call that took ``extra`` units ahead was admitted: keeps them (or gives them back
+        at once, when too little of the bucket is left), and returns the caller's decision."""
+        key = self.key(plans)
+        old = self._by_ids.get(key)
+        if old is not None and old.turn is not None:
+            self._finish(old)
+        life = self._life(decision.details, sent)
+        entry = Allowance(plans)
+        entry.turn = turn
+        entry.left = extra
+        entry.sent = sent
+        entry.used = weight + (old.used if old is not None and old.until > sent else 0)
+        entry.remaining = decision.remaining
+        entry.details = decision.details
+        if life is None or life - self._clock.monotonic() < MIN_LIFE:
+            entry.until = -math.inf
+            self._protocol.give_back(turn, extra)
+            self.returned += 1
+            entry.turn = None
+            entry.left = 0
+            entry.details = ()
+            self._by_ids[key] = entry
+            return self._rebuilt(decision, plans, weight, 0, self._clock.monotonic(), sent)
+        entry.until = life
+        self._by_ids[key] = entry
+        self.taken += 1
+        delay = max(life - self._clock.monotonic(), 0.0)
+        entry.timer = asyncio.get_running_loop().call_later(delay, self._expire, key, entry)
+        return self._decision(entry, weight, self._clock.monotonic())
+
+    def _life(self, details: Sequence[PairDecision], sent: float) -> float | None:
+        """The monotonic time an allowance charged with these pairs ends at, or None."""
+        shortest = math.inf
+        for pair in details:
+            left = _bucket_left(pair)
+            if left is None or not pair.allowed:
+                return None
+            shortest = min(shortest, left)
+        if shortest == math.inf:
+            return None
+        return sent + min(shortest - MARGIN - shortest / 1000, MAX_LIFE)
+
+    def _decision(self, entry: Allowance, weight: int, now: float) -> Decision:
+        return self._rebuilt_pairs(entry.details, entry.plans, weight, entry.left, now, entry.sent)
+
+    def _rebuilt(
+        self, decision: Decision, plans: Sequence[IdentifierPlan], weight: int, left: int,
+        now: float, sent: float,
+    ) -> Decision:  # fmt: skip
+        return self._rebuilt_pairs(decision.details, plans, weight, left, now, sent)
+
+    def _rebuilt_pairs(
+        self, details: Sequence[PairDecision], plans: Sequence[IdentifierPlan], weight: int,
+        left: int, now: float, sent: float,
+    ) -> Decision:  # fmt: skip
+        """An admission of ``weight``: each pair's remaining as the store said plus the units
+        still held here, its reset as the store said less the time since."""
+        elapsed = now - sent
+        pairs: list[PairDecision] = []
+        remaining = -1
+        reset = 0.0
+        binding: PairDecision | None = None
+        for pair in details:
+            mine = _new_pair(
+                PairDecision,
+                (pair.identifier, pair.limit, True, pair.remaining + left, 0.0,
+                 max(pair.reset_after - elapsed, 0.0)),
+            )  # fmt: skip
+            pairs.append(mine)
+            if binding is None or mine.remaining < remaining:
+                binding, remaining = mine, mine.remaining
+            if mine.reset_after > reset:
+                reset = mine.reset_after
+        assert binding is not None
+        return made_decision(
+            True, remaining, 0.0, reset, binding.identifier, binding.limit, tuple(pairs),
+            Charge(self._protocol, plans, weight),
+        )  # fmt: skip
+
+    def _expire(self, key: tuple[str, ...] | str, entry: Allowance) -> None:
+        entry.timer = None
+        if entry.turn is not None:
+            self._finish(entry)
+
+    def _finish(self, entry: Allowance) -> None:
+        """Ends a live allowance: what is left is given back (its op undone for that much)."""
+        turn = entry.turn
+        if turn is None:
+            return
+        entry.turn = None
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+        left, entry.left = entry.left, 0
+        entry.details = ()
+        if left:
+            self.returned += 1
+        self._protocol.give_back(turn, left)
+
+    def drop(self, identifiers: set[str]) -> None:
+        """Ends (and forgets) the allowances on any of ``identifiers`` (a reset)."""
+        for key, entry in list(self._by_ids.items()):
+            names = (key,) if isinstance(key, str) else key
+            if any(name in identifiers for name in names):
+                self._finish(entry)
+                del self._by_ids[key]
+
+    def close(self) -> None:
+        """Ends every allowance (the limiter is closing)."""
+        for entry in self._by_ids.values():
+            self._finish(entry)
+        self._by_ids.clear()
+
+    def _forget_hints(self) -> None:
+        self._by_ids = {key: e for key, e in self._by_ids.items() if e.turn is not None}
