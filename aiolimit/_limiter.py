@@ -501,6 +501,7 @@ class Limiter:
             held = KeepOpen()
             token = HELD_TURNS.set(held)
             sent = clock.monotonic()
+            prefetch.pending(plans, True)
             try:
                 decision = await self._decide(ACQUIRE, plans, weight + extra)
             except BaseException:
@@ -508,6 +509,7 @@ class Limiter:
                     self._protocol.end_turn(turn, undo=True)
                 raise
             finally:
+                prefetch.pending(plans, False)
                 HELD_TURNS.reset(token)
             if held:
                 return prefetch.opened(plans, weight, extra, held[0], decision, sent)

@@ -126,6 +126,7 @@ class Allowances:
         self._clock = clock
         self._by_ids: dict[tuple[str, ...] | str, Allowance] = {}
         self._eligible: dict[int, tuple[Sequence[IdentifierPlan], bool]] = {}
+        self._pending: set[tuple[str, ...] | str] = set()  # keys with a prefetch in flight
         self.local = 0  # admissions made from allowances
         self.taken = 0  # allowances taken
         self.returned = 0  # allowances that gave units back
@@ -158,9 +159,10 @@ class Allowances:
 
     def extra(self, plans: Sequence[IdentifierPlan], weight: int) -> int:
         """How many units to take ahead on a call the store must decide (0: none)."""
-        entry = self._by_ids.get(self.key(plans))
-        if entry is None or entry.used == 0:
-            return 0
+        key = self.key(plans)
+        entry = self._by_ids.get(key)
+        if entry is None or entry.used == 0 or key in self._pending:
+            return 0  # (units ahead are being taken already: no herd of them on a refill)
         now = self._clock.monotonic()
         if now < entry.until:
             demand = 2 * entry.used  # busy in this bucket: twice what it took so far
@@ -170,6 +172,14 @@ class Allowances:
             return 0
         room = min((plan.max_weight for plan in plans), default=0) - weight
         return max(min(self.size, demand, entry.remaining // SHARE, room), 0)
+
+    def pending(self, plans: Sequence[IdentifierPlan], flag: bool) -> None:
+        """Marks a call taking units ahead on ``plans`` as in flight (or done): meanwhile other
+        calls there take none (each would hold its own, and give most of it back)."""
+        if flag:
+            self._pending.add(self.key(plans))
+        else:
+            self._pending.discard(self.key(plans))
 
     def observe(
         self, plans: Sequence[IdentifierPlan], weight: int, decision: Decision, sent: float

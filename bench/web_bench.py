@@ -195,7 +195,7 @@ async def bench(seconds: float, rounds: int, concurrency: int) -> None:
         f"round(s), median; redis-server {server.url}\n"
     )
     print(
-        f"{'variant':<12} {'req/s':>9} {'p50 ms':>8} {'vs bare':>9} {'non-200':>8} "
+        f"{'variant':<17} {'req/s':>9} {'p50 ms':>8} {'vs bare':>9} {'non-200':>8} "
         f"{'cpu µs/req':>11} {'limiter µs/req':>15} {'of bare':>8}"
     )
     for variant in VARIANTS:
@@ -210,7 +210,7 @@ async def bench(seconds: float, rounds: int, concurrency: int) -> None:
                 added = f"{cpu - bare_cpu:.1f}"
                 share = f"{(cpu - bare_cpu) / bare_cpu * 100:.0f}%"
         print(
-            f"{variant:<12} {rps:>9.0f} {p50:>8.2f} {change:>9} {bad:>8} {cpu:>11.1f} "
+            f"{variant:<17} {rps:>9.0f} {p50:>8.2f} {change:>9} {bad:>8} {cpu:>11.1f} "
             f"{added:>15} {share:>8}"
         )
     print(
