@@ -512,7 +512,9 @@ class Limiter:
                 prefetch.pending(plans, False)
                 HELD_TURNS.reset(token)
             if held:
-                return prefetch.opened(plans, weight, extra, held[0], decision, sent)
+                return prefetch.opened(
+                    plans, weight, extra, held[0], decision, sent, replayed=held.replayed
+                )
             if decision.allowed or decision.degraded:
                 return decision  # (the failure policy's answer: nothing was charged)
             # Refused with the units ahead, which charged nothing: asked again for its own.

@@ -215,15 +215,17 @@ class Allowances:
 
     def opened(
         self, plans: Sequence[IdentifierPlan], weight: int, extra: int, turn: Turn,
-        decision: Decision, sent: float,
+        decision: Decision, sent: float, *, replayed: bool = False,
     ) -> Decision:  # fmt: skip
         """A call that took ``extra`` units ahead was admitted: keeps them (or gives them back
-        at once, when too little of the bucket is left), and returns the caller's decision."""
+        at once, when too little of the bucket is left, or when the reply was a replay: its
+        pairs tell the bucket of the replay's time, which may be later than the op's), and
+        returns the caller's decision."""
         key = self.key(plans)
         old = self._by_ids.get(key)
         if old is not None and old.turn is not None:
             self._finish(old)
-        life = self._life(decision.details, sent)
+        life = None if replayed else self._life(decision.details, sent)
         entry = Allowance(plans)
         entry.turn = turn
         entry.left = extra

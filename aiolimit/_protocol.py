@@ -125,7 +125,19 @@ HELD_TURNS: ContextVar[list[Turn] | None] = ContextVar("aiolimit_held_turns", de
 class KeepOpen(list[Turn]):
     """Set as ``HELD_TURNS`` around a decision whose admission takes units ahead (a prefetched
     allowance, ``aiolimit._prefetch``): its op is kept open whatever its delay, for the
-    allowance to give back what it does not use (``Protocol.give_back``)."""
+    allowance to give back what it does not use (``Protocol.give_back``). ``replayed``: the
+    admission came from a replay (a resent copy of an op that had run already): its pairs
+    report the time of the replay, not the time the op charged."""
+
+    replayed = False
+
+
+def _note_replay(raw: Sequence[int]) -> None:
+    """Tells a ``KeepOpen`` holder that an acquire's reply was a replay."""
+    if raw[1] == 1:
+        held = HELD_TURNS.get()
+        if type(held) is KeepOpen:
+            held.replayed = True
 
 
 T = TypeVar("T")
@@ -350,13 +362,18 @@ class Protocol:
             result = await self._store.run_one(call)
             if isinstance(result, BaseException):
                 raise result
+            if mode is ACQUIRE:
+                _note_replay(result)
             return reply_decision(call, result)
         if groups is None:
             groups = self._groups(plans)
         if len(groups) == 1:
             self.statistics.single_slot += 1
             calls = self._calls(mode, groups, weight, now_us, op, max_wait_us)
-            return replies_decision(calls, await self._raw_replies(calls))
+            raws = await self._raw_replies(calls)
+            if mode is ACQUIRE:
+                _note_replay(raws[0])
+            return replies_decision(calls, raws)
         self._count_slots(len(groups))
         if mode is not ACQUIRE:
             # check, refund and undo touch each slot independently.
@@ -444,6 +461,8 @@ class Protocol:
                     reply = await self._store.run_one(call)
                     if isinstance(reply, BaseException):
                         raise reply
+                    if reply[1] == 1:
+                        _note_replay(reply)
                     result = reply_decision(call, reply)
                 elif now_us != READ_CLOCK or groups is not None:
                     # (one read of the clock, a TIME authority's; the slots grouped once)

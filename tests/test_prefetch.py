@@ -278,3 +278,26 @@ async def test_cancelled_callers_leave_no_charge_behind(redis_url: str, prefix: 
             await asyncio.gather(*tasks, return_exceptions=True)
         await settle(limiter)
     assert await stored(redis_url, prefix, "ip:k", limits) == admitted
+
+
+async def test_an_admission_that_came_as_a_replay_keeps_no_units(
+    standalone_proxy: Proxy, redis_url: str, prefix: str
+) -> None:
+    """The reply to a call taking units ahead is lost (the server ran it) and the store sends
+    it again: the copy replays, and its pairs tell the bucket of the replay's time, which may
+    be later than the one the op charged in. So no units are kept from it: they are given back
+    at once, and the store ends up counting the admissions alone."""
+    from tests._proxy import drop_first_script_reply
+
+    limits = [Limit(1000, per=60)]
+    async with Limiter(standalone_proxy.url, limits, prefix=prefix, prefetch=8) as limiter:
+        assert (await limiter.try_acquire("ip:rp")).allowed  # (plain: the first this bucket)
+        dropped = drop_first_script_reply(standalone_proxy)
+        assert (await limiter.try_acquire("ip:rp")).allowed  # (takes 2 ahead; lost; replayed)
+        assert dropped == [1]
+        allowances = limiter._prefetch
+        assert allowances is not None
+        assert allowances.taken == 0
+        assert allowances.returned == 1
+        await settle(limiter)
+        assert await stored(redis_url, prefix, "ip:rp", limits) == 2
