@@ -31,7 +31,7 @@ from aiolimit._follow import RulesFollower, publish
 from aiolimit._keys import check_prefix, identifier_kind
 from aiolimit._limits import BaseLimit
 from aiolimit._prefetch import MAX_PREFETCH, Allowances, eligible
-from aiolimit._protocol import HELD_TURNS, KeepOpen, Protocol, Turn
+from aiolimit._protocol import HELD_TURNS, UNDO_BUDGET, KeepOpen, Protocol, Turn
 from aiolimit._refusals import DEFAULT_SIZE, RefusalCache
 from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight, identifiers_of
 from aiolimit._ruleset import RuleSet
@@ -502,6 +502,7 @@ class Limiter:
             token = HELD_TURNS.set(held)
             sent = clock.monotonic()
             prefetch.pending(plans, True)
+            epoch = prefetch.sending()
             try:
                 decision = await self._decide(ACQUIRE, plans, weight + extra)
             except BaseException:
@@ -511,10 +512,12 @@ class Limiter:
             finally:
                 prefetch.pending(plans, False)
                 HELD_TURNS.reset(token)
+                prefetch.answered()
             if held:
                 return prefetch.opened(
-                    plans, weight, extra, held[0], decision, sent, replayed=held.replayed
-                )
+                    plans, weight, extra, held[0], decision, sent, epoch,
+                    replayed=held.replayed,
+                )  # fmt: skip
             if decision.allowed or decision.degraded:
                 return decision  # (the failure policy's answer: nothing was charged)
             # Refused with the units ahead, which charged nothing: asked again for its own.
@@ -998,6 +1001,9 @@ class Limiter:
             self._metrics.unbind(self)
         if self._prefetch is not None:
             self._prefetch.close()  # (what they hold is given back before the store closes)
+            # A call taking units ahead still in flight gives them back when it returns
+            # (``close`` moved the epoch): the protocol must still be open then.
+            await self._prefetch.drained(UNDO_BUDGET)
         await self._protocol.aclose()
         await self._store.aclose()
 

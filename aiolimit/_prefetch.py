@@ -36,6 +36,7 @@ count the store restarted. A reset through this limiter drops its allowances fir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -130,6 +131,33 @@ class Allowances:
         self.local = 0  # admissions made from allowances
         self.taken = 0  # allowances taken
         self.returned = 0  # allowances that gave units back
+        # Moves on every reset through this limiter (``drop``) and on ``close``: a call that
+        # took units ahead and was sent before it keeps none (the reset wiped them from the
+        # store, or nothing will give them back once the limiter is closed).
+        self.epoch = 0
+        self._in_flight = 0  # calls taking units ahead in flight
+        self._idle: asyncio.Event | None = None
+
+    def sending(self) -> int:
+        """A call that takes units ahead is sent: the epoch to hand to ``opened``."""
+        self._in_flight += 1
+        return self.epoch
+
+    def answered(self) -> None:
+        """That call came back (or failed, or was cancelled)."""
+        self._in_flight -= 1
+        if not self._in_flight and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+
+    async def drained(self, within: float) -> None:
+        """Waits (``within`` seconds at most) for the calls taking units ahead still in flight."""
+        if not self._in_flight:
+            return
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), within)
 
     @staticmethod
     def key(plans: Sequence[IdentifierPlan]) -> tuple[str, ...] | str:
@@ -215,12 +243,13 @@ class Allowances:
 
     def opened(
         self, plans: Sequence[IdentifierPlan], weight: int, extra: int, turn: Turn,
-        decision: Decision, sent: float, *, replayed: bool = False,
+        decision: Decision, sent: float, epoch: int, *, replayed: bool = False,
     ) -> Decision:  # fmt: skip
         """A call that took ``extra`` units ahead was admitted: keeps them (or gives them back
-        at once, when too little of the bucket is left, or when the reply was a replay: its
-        pairs tell the bucket of the replay's time, which may be later than the op's), and
-        returns the caller's decision."""
+        at once, when too little of the bucket is left, when a reset or ``close`` came since
+        it was sent: ``epoch``, or when the reply was a replay: its pairs tell the bucket of
+        the replay's time, which may be later than the op's), and returns the caller's
+        decision."""
         key = self.key(plans)
         old = self._by_ids.get(key)
         if old is not None and old.turn is not None:
@@ -233,7 +262,7 @@ class Allowances:
         entry.used = weight + (old.used if old is not None and old.until > sent else 0)
         entry.remaining = decision.remaining
         entry.details = decision.details
-        if life is None or life - self._clock.monotonic() < MIN_LIFE:
+        if life is None or life - self._clock.monotonic() < MIN_LIFE or epoch != self.epoch:
             entry.until = -math.inf
             self._protocol.give_back(turn, extra)
             self.returned += 1
@@ -320,6 +349,7 @@ class Allowances:
 
     def drop(self, identifiers: set[str]) -> None:
         """Ends (and forgets) the allowances on any of ``identifiers`` (a reset)."""
+        self.epoch += 1
         for key, entry in list(self._by_ids.items()):
             names = (key,) if isinstance(key, str) else key
             if any(name in identifiers for name in names):
@@ -328,6 +358,7 @@ class Allowances:
 
     def close(self) -> None:
         """Ends every allowance (the limiter is closing)."""
+        self.epoch += 1
         for entry in self._by_ids.values():
             self._finish(entry)
         self._by_ids.clear()
