@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
-from aiolimit import Limit, Limiter
+from aiolimit import FixedWindow, Limit, Limiter
+from aiolimit.testing import ManualClock
 from tests._nodes import stored
 
 pytestmark = pytest.mark.asyncio
@@ -56,3 +58,96 @@ async def test_a_limiter_closed_during_a_prefetching_call_gives_its_units_back(
     await limiter.aclose()
     admitted += (await call).allowed  # (sent before the close: answered)
     assert await stored(redis_url, prefix, "ip:q", limits) == admitted
+
+
+async def test_an_allowance_is_not_used_past_its_bucket_when_another_clock_moved_the_key(
+    redis_url: str, prefix: str
+) -> None:
+    """Two processes judging by their own clocks (``LocalClock``: here two manual clocks, B's
+    0.95 s ahead). The store judges each key by max(now, its last write), so once B writes,
+    the key's time is B's: bucket 1. A's allowance, taken in bucket 0 by A's clock, must not
+    admit past then: without prefetch A's calls count in bucket 1 (refused once B filled it)."""
+    start = 1_700_000_000.0
+    clock_a = ManualClock(start=start)
+    clock_b = ManualClock(start=start + 0.95)
+    limits = [FixedWindow(10, per=1)]
+    async with (
+        Limiter(redis_url, limits, prefix=prefix, prefetch=100, clock=clock_a) as a,
+        Limiter(redis_url, limits, prefix=prefix, clock=clock_b) as b,
+    ):
+        clock_a.advance(0.1)
+        clock_b.advance(0.1)  # (B: 1.05, bucket 1)
+        for _ in range(3):  # (the second takes units ahead, the third is admitted in A)
+            assert (await a.try_acquire("ip:s")).allowed
+        held = a.statistics().prefetched
+        assert held >= 1
+        in_bucket_1 = sum([(await b.try_acquire("ip:s")).allowed for _ in range(12)])
+        assert in_bucket_1 == 10
+        clock_a.advance(0.01)
+        late = sum([(await a.try_acquire("ip:s")).allowed for _ in range(5)])
+        # The store's bucket 1 admitted 10 already: A's calls now are within it.
+        assert late == 0, late
+
+
+@pytest.mark.parametrize("short", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+async def test_several_limiters_with_refunds_cancellations_and_short_buckets_store_exactly(
+    redis_url: str, prefix: str, seed: int, short: bool
+) -> None:
+    rng = random.Random(seed)
+    rules = {"ip": [Limit(300, per=3600, precision=60)], "user": [FixedWindow(250, per=3600)]}
+    if short:
+        rules = {
+            "ip": [Limit(300, per=60, precision=0.02), Limit(1000, per=30, precision=0.033)],
+            "user": [Limit(250, per=60, precision=0.05)],
+        }
+    limiters = [
+        Limiter(
+            redis_url,
+            rules,
+            prefix=prefix,
+            prefetch=rng.choice([4, 16, 64]),
+            cache_refusals=rng.random() < 0.5,
+        )
+        for _ in range(3)
+    ]
+    admitted = {"ip:a": 0, "user:b": 0}
+    refunded = {"ip:a": 0, "user:b": 0}
+
+    async def one(limiter: Limiter) -> None:
+        ids = rng.choice([["ip:a"], ["user:b"], ["ip:a", "user:b"], ["user:b", "ip:a"]])
+        w = rng.choice([1, 1, 1, 2, 5])
+        d = await limiter.try_acquire(ids, w)
+        if d.allowed:
+            for i in ids:
+                admitted[i] += w
+            if rng.random() < 0.15:
+                await asyncio.sleep(0)
+                for i in ids:
+                    refunded[i] += w
+                await asyncio.shield(limiter.refund(ids, decision=d))
+
+    try:
+        for _ in range(80):
+            tasks = [asyncio.create_task(one(rng.choice(limiters))) for _ in range(10)]
+            await asyncio.sleep(0)
+            if rng.random() < 0.3:
+                for _ in range(rng.randint(1, 3)):
+                    await asyncio.sleep(0)
+            if short and rng.random() < 0.3:
+                await asyncio.sleep(rng.random() * 0.02)
+            for t in tasks:
+                if rng.random() < 0.2:
+                    t.cancel()
+            res = await asyncio.gather(*tasks, return_exceptions=True)
+            for r in res:
+                if isinstance(r, Exception):
+                    raise r
+    finally:
+        for limiter in limiters:
+            await limiter.aclose()
+    net_ip = admitted["ip:a"] - refunded["ip:a"]
+    net_user = admitted["user:b"] - refunded["user:b"]
+    assert await stored(redis_url, prefix, "ip:a", rules["ip"]) == net_ip
+    assert await stored(redis_url, prefix, "user:b", rules["user"]) == net_user
+    assert net_ip <= 300 and net_user <= 250
