@@ -16,7 +16,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 from aiolimit._algorithms import Concurrency
 from aiolimit._calls import ACQUIRE, PEEK, Mode
-from aiolimit._clock import Clock
+from aiolimit._clock import Clock, LocalClock
 from aiolimit._decision import Charge, Decision
 from aiolimit._errors import (
     BackendError,
@@ -185,6 +185,13 @@ class Limiter:
             raise ConfigurationError(
                 "prefetch cannot be combined with count_refused=True: a call that takes units "
                 "ahead and is refused would count them all as a penalty"
+            )
+        if prefetch and isinstance(self.clock, LocalClock) and self._store.loop_bound:
+            raise ConfigurationError(
+                "prefetch needs every process to judge by one clock: the server's (the "
+                "default) or a TIME authority. With clock=LocalClock() each process judges by "
+                "its own, and units one took ahead could be admitted in a bucket that another's "
+                "clock has ended already"
             )
         self._prefetch = Allowances(prefetch, self._protocol, self.clock) if prefetch else None
         self._counts = {
