@@ -61,8 +61,9 @@ MIN_LIFE = 0.002
 MAX_LIFE = 1.0
 #: At most this share of what the store said remains is taken ahead (1 / SHARE).
 SHARE = 4
-#: Identifiers remembered for sizing (live allowances come on top): past this, forgotten.
-MAX_HINTS = 100_000
+#: Sets of identifiers remembered for sizing (live allowances come on top): past this, those
+#: not busy lately are forgotten (all of them, if all were).
+MAX_HINTS = 20_000
 
 _new_pair = tuple.__new__
 
@@ -126,7 +127,7 @@ class Allowances:
         self._protocol = protocol
         self._clock = clock
         self._by_ids: dict[tuple[str, ...] | str, Allowance] = {}
-        self._eligible: dict[int, tuple[Sequence[IdentifierPlan], bool]] = {}
+        self._tuples: set[tuple[str, ...]] = set()  # the keys of several identifiers
         self._pending: set[tuple[str, ...] | str] = set()  # keys with a prefetch in flight
         self.local = 0  # admissions made from allowances
         self.taken = 0  # allowances taken
@@ -222,9 +223,11 @@ class Allowances:
             self._finish(entry)
         if entry is None:
             if len(self._by_ids) >= MAX_HINTS:
-                self._forget_hints()
+                self._forget_hints(now)
             entry = Allowance(plans)
             self._by_ids[key] = entry
+            if type(key) is tuple:
+                self._tuples.add(key)
         entry.remaining = decision.remaining
         if not decision.allowed:
             return
@@ -270,9 +273,13 @@ class Allowances:
             entry.left = 0
             entry.details = ()
             self._by_ids[key] = entry
+            if type(key) is tuple:
+                self._tuples.add(key)
             return self._rebuilt(decision, plans, weight, 0, self._clock.monotonic(), sent)
         entry.until = life
         self._by_ids[key] = entry
+        if type(key) is tuple:
+            self._tuples.add(key)
         self.taken += 1
         delay = max(life - self._clock.monotonic(), 0.0)
         entry.timer = asyncio.get_running_loop().call_later(delay, self._expire, key, entry)
@@ -350,11 +357,16 @@ class Allowances:
     def drop(self, identifiers: set[str]) -> None:
         """Ends (and forgets) the allowances on any of ``identifiers`` (a reset)."""
         self.epoch += 1
-        for key, entry in list(self._by_ids.items()):
-            names = (key,) if isinstance(key, str) else key
-            if any(name in identifiers for name in names):
+        by_ids = self._by_ids
+        for name in identifiers:
+            entry = by_ids.pop(name, None)
+            if entry is not None:
                 self._finish(entry)
-                del self._by_ids[key]
+        for key in [key for key in self._tuples if not identifiers.isdisjoint(key)]:
+            self._tuples.discard(key)
+            entry = by_ids.pop(key, None)
+            if entry is not None:
+                self._finish(entry)
 
     def close(self) -> None:
         """Ends every allowance (the limiter is closing)."""
@@ -362,6 +374,16 @@ class Allowances:
         for entry in self._by_ids.values():
             self._finish(entry)
         self._by_ids.clear()
+        self._tuples.clear()
 
-    def _forget_hints(self) -> None:
-        self._by_ids = {key: e for key, e in self._by_ids.items() if e.turn is not None}
+    def _forget_hints(self, now: float) -> None:
+        """Forgets the hints of identifiers not busy lately (none left: every hint)."""
+        kept = {
+            key: entry
+            for key, entry in self._by_ids.items()
+            if entry.turn is not None or now - entry.until < entry.until - entry.sent
+        }
+        if len(kept) >= MAX_HINTS // 2:
+            kept = {key: entry for key, entry in kept.items() if entry.turn is not None}
+        self._by_ids = kept
+        self._tuples = {key for key in kept if type(key) is tuple}

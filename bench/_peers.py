@@ -39,7 +39,10 @@ from bench._measure import Decide
 ALGORITHMS = ("sliding", "fixed", "log", "gcra")
 CONTENDERS = ("aiolimit", "limits", "pyrate", "throttled")
 #: Available by name, not run by default: pyrate without its limiter-wide asyncio.Lock.
-EXTRA_CONTENDERS = ("pyrate-direct", "aiolimit-cache", "aiolimit-otel", "aiolimit-prom", "ceiling")
+EXTRA_CONTENDERS = (
+    "pyrate-direct", "aiolimit-cache", "aiolimit-prefetch", "aiolimit-otel", "aiolimit-prom",
+    "ceiling",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +195,14 @@ class AiolimitCacheContender(AiolimitContender):
 
     name = "aiolimit-cache"
     options = {"cache_refusals": True}  # noqa: RUF012
+
+
+class AiolimitPrefetchContender(AiolimitContender):
+    """aiolimit taking units ahead on busy identifiers (``prefetch=256``): most admissions are
+    made in the process. Not a like-for-like peer comparison: no peer admits locally."""
+
+    name = "aiolimit-prefetch"
+    options = {"prefetch": 256}  # noqa: RUF012
 
 
 class AiolimitOtelContender(AiolimitContender):
@@ -675,6 +686,7 @@ _CLASSES: dict[str, type[Contender]] = {
     "pyrate-direct": PyrateDirectContender,
     "throttled": ThrottledContender,
     "aiolimit-cache": AiolimitCacheContender,
+    "aiolimit-prefetch": AiolimitPrefetchContender,
     "aiolimit-otel": AiolimitOtelContender,
     "aiolimit-prom": AiolimitPromContender,
     "ceiling": CeilingContender,
@@ -690,7 +702,7 @@ def make_contender(
         raise ValueError(f"unknown contender {name!r}; known: {', '.join(_CLASSES)}")
     if name == "ceiling" and _is_cluster(url):
         return ClusterCeilingContender(url, algorithm, limits, prefix)
-    if name in ("aiolimit", "aiolimit-cache", "aiolimit-otel", "aiolimit-prom"):
+    if name.startswith("aiolimit"):
         return _CLASSES[name](  # type: ignore[call-arg]
             url, algorithm, limits, prefix, sliding_buckets=sliding_buckets, clock=clock
         )

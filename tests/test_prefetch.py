@@ -301,3 +301,34 @@ async def test_an_admission_that_came_as_a_replay_keeps_no_units(
         assert allowances.returned == 1
         await settle(limiter)
         assert await stored(redis_url, prefix, "ip:rp", limits) == 2
+
+
+async def test_what_is_remembered_for_sizing_stays_bounded(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every identifier the store decides is remembered (to size its next allowance), up to a
+    bound: past it, those not busy lately are forgotten, and a busy one keeps its allowance."""
+    import aiolimit._prefetch as prefetch_module
+
+    monkeypatch.setattr(prefetch_module, "MAX_HINTS", 40)
+    limits = [Limit(1000, per=3600, precision=60)]
+    async with Limiter(redis_url, limits, prefix=prefix, prefetch=16) as limiter:
+        allowances = limiter._prefetch
+        assert allowances is not None
+        for _ in range(4):
+            assert (await limiter.try_acquire("ip:busy")).allowed
+        busy = allowances._by_ids["ip:busy"]
+        assert busy.turn is not None  # (it holds units)
+        for i in range(200):
+            assert (await limiter.try_acquire(["ip:busy", f"user:{i}"])).allowed
+            assert len(allowances._by_ids) <= 40
+        assert allowances._by_ids.get("ip:busy") is busy or busy.turn is None
+        # Resetting an identifier that only sets of several name finds them through the index.
+        assert (await limiter.try_acquire(["ip:busy", "user:199"])).allowed
+        assert (await limiter.try_acquire(["ip:busy", "user:199"])).allowed
+        await limiter.reset("user:199")
+        assert ("ip:busy", "user:199") not in allowances._by_ids
+        assert all("user:199" not in key for key in allowances._tuples)
+        await settle(limiter)
+    stored_busy = await stored(redis_url, prefix, "ip:busy", limits)
+    assert stored_busy == 4 + 200 + 2
