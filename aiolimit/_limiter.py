@@ -48,6 +48,8 @@ LEASE_POLL_MIN = 0.01
 LEASE_POLL_MAX = 0.25
 #: A cached refusal yields to the event loop once in this many decisions.
 CACHED_YIELD_EVERY = 16
+#: prefetch: a call waits for at most this many refills by other calls before its own.
+REFILL_WAITS = 4
 #: The refusal cache holds at most this many identifiers (refusal_cache_size).
 MAX_CACHE = 10_000_000
 
@@ -503,6 +505,14 @@ class Limiter:
     ) -> Decision:
         """The store's decision for a call that may take units ahead (``prefetch``)."""
         clock = self.clock
+        for _ in range(REFILL_WAITS):
+            if not await prefetch.refill(plans):
+                break
+            # Another call was taking units ahead on these identifiers: from them, if it got
+            # them and they are not all taken yet (else the next one's, a few times at most).
+            local = prefetch.take(plans, weight)
+            if local is not None:
+                return local
         extra = prefetch.extra(plans, weight)
         if extra:
             held = KeepOpen()

@@ -128,7 +128,8 @@ class Allowances:
         self._clock = clock
         self._by_ids: dict[tuple[str, ...] | str, Allowance] = {}
         self._tuples: set[tuple[str, ...]] = set()  # the keys of several identifiers
-        self._pending: set[tuple[str, ...] | str] = set()  # keys with a prefetch in flight
+        # keys with a call taking units ahead in flight -> the event its waiters wait on
+        self._pending: dict[tuple[str, ...] | str, asyncio.Event | None] = {}
         self.local = 0  # admissions made from allowances
         self.taken = 0  # allowances taken
         self.returned = 0  # allowances that gave units back
@@ -203,12 +204,29 @@ class Allowances:
         return max(min(self.size, demand, entry.remaining // SHARE, room), 0)
 
     def pending(self, plans: Sequence[IdentifierPlan], flag: bool) -> None:
-        """Marks a call taking units ahead on ``plans`` as in flight (or done): meanwhile other
-        calls there take none (each would hold its own, and give most of it back)."""
+        """Marks a call taking units ahead on ``plans`` as in flight (or done, which wakes the
+        calls that waited for it): meanwhile other calls there take none (each would hold its
+        own, and give most of it back), they wait for its units (``refill``)."""
+        key = self.key(plans)
         if flag:
-            self._pending.add(self.key(plans))
+            self._pending[key] = None
         else:
-            self._pending.discard(self.key(plans))
+            done = self._pending.pop(key, None)
+            if done is not None:
+                done.set()
+
+    async def refill(self, plans: Sequence[IdentifierPlan]) -> bool:
+        """Waits for the call taking units ahead on ``plans`` that is in flight, if any (its
+        caller's deadline bounds it): True if there was one. A caller cancelled meanwhile has
+        taken nothing."""
+        key = self.key(plans)
+        if key not in self._pending:
+            return False
+        done = self._pending[key]
+        if done is None:
+            done = self._pending[key] = asyncio.Event()
+        await done.wait()
+        return True
 
     def observe(
         self, plans: Sequence[IdentifierPlan], weight: int, decision: Decision, sent: float

@@ -332,3 +332,26 @@ async def test_what_is_remembered_for_sizing_stays_bounded(
         await settle(limiter)
     stored_busy = await stored(redis_url, prefix, "ip:busy", limits)
     assert stored_busy == 4 + 200 + 2
+
+
+async def test_concurrent_callers_wait_for_a_refill_instead_of_asking_the_store(
+    redis_url: str, prefix: str
+) -> None:
+    """32 tasks on one identifier: when its units run out, one call takes more ahead and the
+    others wait for them (each asking the store for its own would cost a round trip apiece):
+    nearly every admission is local, and the store counts exactly what was admitted."""
+    limits = [Limit(10**6, per=3600, precision=60)]
+    admitted = 0
+    async with Limiter(redis_url, limits, prefix=prefix, prefetch=64) as limiter:
+
+        async def task() -> None:
+            nonlocal admitted
+            for _ in range(100):
+                decision = await limiter.try_acquire("ip:w")
+                admitted += decision.allowed
+
+        await asyncio.wait_for(asyncio.gather(*(task() for _ in range(32))), 30)
+        assert admitted == 3200
+        local = limiter.statistics().prefetched
+        assert local >= 0.9 * 3200, local
+    assert await stored(redis_url, prefix, "ip:w", limits) == admitted
