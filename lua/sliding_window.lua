@@ -267,6 +267,35 @@ FACTORIES.sw = function()
     sw_tail(b)
   end
 
+  -- Gives back `weight` from the bucket at `offset` and then the older ones, newest first
+  -- (an undo whose bucket a refund emptied in part: see refund). O(records): rare.
+  local function sw_spill(b, offset, weight)
+    local kept, previous, total, left = {}, b.c0, b.c0, weight
+    local records = {}
+    for o, c in string.gmatch(b.rest, '(%d+):(%d+)') do
+      o, c = tonumber(o), tonumber(c)
+      records[#records + 1] = {o, c - previous}
+      previous = c
+    end
+    for i = #records, 1, -1 do
+      if left == 0 then break end
+      local record = records[i]
+      if record[1] <= offset then
+        local take = math.min(left, record[2])
+        record[2], left = record[2] - take, left - take
+      end
+    end
+    for i = 1, #records do
+      local record = records[i]
+      if record[2] > 0 then
+        total = total + record[2]
+        kept[#kept + 1] = fmt(record[1]) .. ':' .. fmt(total)
+      end
+    end
+    b.rest = #kept > 0 and table.concat(kept, ',') or nil
+    sw_tail(b)
+  end
+
   -- Running totals only grow on a key that never idles (a window empties, and its totals
   -- start again from 0, only when it goes a whole period without a charge). A Lua number
   -- holds integers exactly up to 2^53, and counts are differences of totals: before they
@@ -430,12 +459,22 @@ FACTORIES.sw = function()
       if at then
         local offset = math.floor(at / p) - b.base
         local start = offset >= 0 and last_at_most(b.rest, 1, offset)
-        if not start or rec(b.rest, start) ~= offset then return end
         local previous = b.c0
-        local prior = last_at_most(b.rest, 1, offset - 1)
+        local prior = start and last_at_most(b.rest, 1, offset - 1)
         if prior then previous = select(2, rec(b.rest, prior)) end
-        local c = select(2, rec(b.rest, start))
-        local take = math.min(weight, c - previous)
+        local c = start and select(2, rec(b.rest, start))
+        local take = (start and rec(b.rest, start) == offset) and math.min(weight, c - previous)
+                     or 0
+        if take < weight and start and math.floor(at / p) > cur - n then
+          -- That bucket holds less than the op charged there: a refund (newest first) took
+          -- the rest, for weight charged in older buckets. Those give back the difference,
+          -- newest first, as the refund would have had the op not been charged.
+          sw_spill(b, offset, weight)
+          sw_store(s, b)
+          want_ttl(s, math.ceil(((cur + n) * p - now) / 1000))
+          return
+        end
+        if take == 0 then return end
         local tail = ''
         local after = next_rec(b.rest, start)
         if after then

@@ -1,0 +1,125 @@
+"""Second adversarial review of prefetched allowances (``aiolimit/_prefetch.py``): refunds,
+web layers, rules, failures, cluster; real servers only."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from aiolimit import Limit, Limiter
+from tests._nodes import stored
+from tests._proxy import Proxy
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _bucket_start(precision: float, slack: float = 0.02) -> None:
+    """Sleeps until just after the next bucket of ``precision`` seconds begins (the server
+    runs on this machine: its clock is this one)."""
+    now = time.time()
+    await asyncio.sleep(precision - now % precision + slack)
+
+
+async def test_a_refund_of_an_earlier_bucket_while_units_are_held_stores_exactly(
+    redis_url: str, prefix: str
+) -> None:
+    """A refund (no ``at``) credits the newest buckets first: while this process holds units
+    in the newest bucket, a refund of an admission made in an earlier bucket takes them
+    instead; the give-back of those units then credits only their own bucket (an undo), finds
+    it empty, and the store keeps counting the earlier admission that was refunded."""
+    limits = [Limit(1000, per=60, precision=0.5)]
+    async with Limiter(redis_url, limits, prefix=prefix) as other:
+        await _bucket_start(0.5)
+        early = await other.try_acquire("ip:r", 5)  # (bucket B0)
+        assert early.allowed
+        await _bucket_start(0.5)
+        admitted = 5
+        limiter = Limiter(redis_url, limits, prefix=prefix, prefetch=50)
+        try:
+            for _ in range(3):  # (bucket B1: the second call takes units ahead)
+                admitted += (await limiter.try_acquire("ip:r")).allowed
+            assert limiter._prefetch is not None and limiter._prefetch.taken == 1
+            await other.refund("ip:r", decision=early)  # (B0's 5, given back during B1)
+        finally:
+            await limiter.aclose()
+    assert await stored(redis_url, prefix, "ip:r", limits) == admitted - 5
+
+
+async def test_web_layers_with_local_admissions_store_exactly_and_tell_sane_headers(
+    redis_url: str, prefix: str
+) -> None:
+    """A middleware on a prefetching limiter, a route dependency on another limiter that
+    refuses after a few, and a route that fails (``refund_on_error``): every refusal by the
+    later limiter and every 5xx gives back what the first charged, locally admitted or not;
+    the store then counts exactly the requests that passed; the fields stay within the limit."""
+    import httpx
+    from fastapi import Depends, FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    from aiolimit.starlette import RateLimit, RateLimitMiddleware
+
+    limits = [Limit(500, per=3600, precision=60)]
+    first = Limiter(redis_url, limits, prefix=prefix, prefetch=20)
+    second = Limiter(redis_url, [Limit(1000, per=3600, precision=60)], prefix=prefix + "b")
+    guard = RateLimit(second, [Limit(7, per=3600, precision=60)])
+
+    app = FastAPI()
+
+    @app.get("/ok", dependencies=[Depends(guard)])
+    async def ok() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/boom")
+    async def boom() -> PlainTextResponse:
+        return PlainTextResponse("no", status_code=500)
+
+    app.add_middleware(RateLimitMiddleware, limiter=first, refund_on_error=True)
+    passed = 0
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            for i in range(60):
+                path = "/boom" if i % 3 == 0 else "/ok"
+                response = await client.get(path)
+                assert response.status_code in (200, 429, 500), response.status_code
+                if response.status_code == 200:
+                    passed += 1
+                for field in response.headers.get_list("ratelimit"):
+                    for item in field.split(","):
+                        params = dict(p.split("=") for p in item.split(";")[1:])
+                        assert 0 <= int(params["r"]) <= 500, field
+                        assert int(params["t"]) >= 0, field
+        assert first._prefetch is not None and first._prefetch.local > 0
+    finally:
+        await first.aclose()
+        await second.aclose()
+    assert await stored(redis_url, prefix, "ip:127.0.0.1", limits) == passed
+
+
+async def test_aclose_against_a_dead_server_with_units_held_and_a_refill_in_flight_is_bounded(
+    standalone_proxy: Proxy, prefix: str
+) -> None:
+    """The server stops answering while units are held on one identifier and a call taking
+    units ahead on another is in flight (no deadline): aclose still ends within a bound, and
+    leaves no task or timer of the limiter behind."""
+    limits = [Limit(100, per=3600, precision=60)]
+    limiter = Limiter(standalone_proxy.url, limits, prefix=prefix, prefetch=20)
+    for _ in range(3):
+        assert (await limiter.try_acquire("ip:d1")).allowed
+    for _ in range(1):
+        assert (await limiter.try_acquire("ip:d2")).allowed
+    allowances = limiter._prefetch
+    assert allowances is not None and allowances.taken == 1
+    standalone_proxy.partition()
+    call = asyncio.create_task(limiter.try_acquire("ip:d2"))  # (takes units ahead: no answer)
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    await asyncio.wait_for(limiter.aclose(), 15)
+    took = time.monotonic() - started
+    assert took < 11, took
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    assert not limiter._protocol._tasks
+    assert all(entry.timer is None for entry in allowances._by_ids.values())
