@@ -26,7 +26,13 @@ from aiolimit._errors import (
     RateLimited,
     UsageError,
 )
-from aiolimit._failure import BreakerStatistics, CircuitBreaker, FailurePolicy, OnError
+from aiolimit._failure import (
+    BreakerStatistics,
+    CircuitBreaker,
+    DeadlineExceeded,
+    FailurePolicy,
+    OnError,
+)
 from aiolimit._follow import RulesFollower, publish
 from aiolimit._keys import check_prefix, identifier_kind
 from aiolimit._limits import BaseLimit
@@ -518,6 +524,7 @@ class Limiter:
             held = KeepOpen()
             token = HELD_TURNS.set(held)
             sent = clock.monotonic()
+            began = time.monotonic()
             prefetch.pending(plans, True)
             epoch = prefetch.sending()
             try:
@@ -537,12 +544,45 @@ class Limiter:
                 )  # fmt: skip
             if decision.allowed or decision.degraded:
                 return decision  # (the failure policy's answer: nothing was charged)
-            # Refused with the units ahead, which charged nothing: asked again for its own.
+            # Refused with the units ahead, which charged nothing: asked again for its own,
+            # within what is left of the one deadline the caller's decision has.
             prefetch.observe(plans, weight, decision, sent)
+            seconds = self._failure.deadline_seconds
+            if seconds is not None:
+                sent = clock.monotonic()
+                decision = await self._decide_within(
+                    plans, weight, seconds - (time.monotonic() - began)
+                )
+                prefetch.observe(plans, weight, decision, sent)
+                return decision
         sent = clock.monotonic()
         decision = await self._decide(ACQUIRE, plans, weight)
         prefetch.observe(plans, weight, decision, sent)
         return decision
+
+    async def _decide_within(
+        self, plans: list[IdentifierPlan], weight: int, left: float
+    ) -> Decision:
+        """``_decide`` (an acquire) cut at ``left`` seconds as the deadline would cut it: the
+        failure policy answers (a call that was sent is undone in the background)."""
+        failure = self._failure
+        if left > 0:
+            scope = asyncio.timeout(left)
+            try:
+                async with scope:
+                    return await self._decide(ACQUIRE, plans, weight)
+            except TimeoutError:
+                if not scope.expired():
+                    raise
+                # (``_decide`` counted the error as it was cut)
+        else:
+            self._counts["errors"] += 1
+        error = DeadlineExceeded(
+            f"store at {failure.address} gave no decision within the deadline of "
+            f"{failure.deadline_seconds:g}s"
+        )
+        error.__cause__ = TimeoutError()
+        return failure.failed(error, self._breakers(plans))
 
     def _screen(self, plans: list[IdentifierPlan]) -> list[IdentifierPlan] | Decision:
         """Leaves out the allowed (exempt) identifiers; a denied one refuses at once."""

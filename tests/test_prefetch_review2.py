@@ -123,3 +123,84 @@ async def test_aclose_against_a_dead_server_with_units_held_and_a_refill_in_flig
     await asyncio.gather(call, return_exceptions=True)
     assert not limiter._protocol._tasks
     assert all(entry.timer is None for entry in allowances._by_ids.values())
+
+
+@pytest.mark.parametrize("change", ["lower", "deny", "shadow", "scale"])
+async def test_rules_that_change_while_units_are_held_are_obeyed_at_once(
+    redis_url: str, prefix: str, change: str
+) -> None:
+    """Units held under the old rules are never admitted under new ones (another limit, an
+    override that denies, shadows or scales), and what they charged is given back."""
+    from aiolimit import RuleSet
+
+    hourly = {"type": "window", "amount": 100, "per": 3600, "precision": 60}
+    old = RuleSet.from_mapping({"kinds": {"ip": [hourly]}})
+    new = {
+        "lower": {"kinds": {"ip": [dict(hourly, amount=6)]}},
+        "deny": {"kinds": {"ip": [hourly]}, "deny": ["ip:h"]},
+        "shadow": {"kinds": {"ip": [hourly]}, "overrides": {"ip:h": {"shadow": True}}},
+        "scale": {"kinds": {"ip": [hourly]}, "overrides": {"ip:h": {"scale": 0.06}}},
+    }[change]
+    pusher = Limiter(redis_url, "1/hour", prefix=prefix, follow_rules=True)
+    limiter = Limiter(redis_url, "1/hour", prefix=prefix, follow_rules=True, prefetch=50)
+    admitted = 0
+    try:
+        assert await pusher.push_rules(old)
+        for _ in range(4):
+            admitted += (await limiter.try_acquire("ip:h")).allowed
+        assert limiter._prefetch is not None and limiter._prefetch.taken >= 1
+        version = limiter.statistics().rules_version
+        assert await pusher.push_rules(RuleSet.from_mapping(new))
+        async with asyncio.timeout(5):
+            while limiter.statistics().rules_version == version:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        after = 0
+        for _ in range(20):
+            decision = await limiter.try_acquire("ip:h")
+            after += decision.allowed
+            if decision.allowed and change != "shadow":
+                assert decision.details[0].limit.amount == 6, decision
+        admitted += after
+        if change == "deny":
+            assert after == 0
+        elif change in ("lower", "scale"):
+            assert admitted <= 6, admitted  # (the old admissions count under the new limit)
+    finally:
+        await limiter.aclose()
+        await pusher.aclose()
+    assert await stored(redis_url, prefix, "ip:h", [Limit(100, per=3600, precision=60)]) == (
+        admitted
+    )
+
+
+async def test_a_call_refused_with_its_units_ahead_still_decides_within_the_deadline(
+    standalone_proxy: Proxy, redis_url: str, prefix: str
+) -> None:
+    """``deadline`` is per decision. A call that takes units ahead and is refused for them is
+    sent again for its own weight: both round trips must fit in the one deadline (each got a
+    deadline of its own: a slow store answered a try_acquire in up to twice the deadline)."""
+    limits = [Limit(10, per=3600, precision=60)]
+    async with (
+        Limiter(
+            standalone_proxy.url, limits, prefix=prefix, prefetch=8, deadline=0.1, on_error="closed"
+        ) as limiter,
+        Limiter(redis_url, limits, prefix=prefix) as other,
+    ):
+        assert (await limiter.try_acquire("ip:dl")).allowed  # (busy; 9 remain)
+        assert (await other.try_acquire("ip:dl", 8)).allowed  # (1 remains)
+        standalone_proxy.delay = 0.07
+        started = time.monotonic()
+        decision = await limiter.try_acquire("ip:dl")  # (asks 3: refused; then 1)
+        took = time.monotonic() - started
+        standalone_proxy.delay = 0
+        assert took < 0.1 + 0.03, (took, decision)
+        assert decision.degraded and not decision.allowed  # (the policy's answer, on time)
+        await settle(limiter)  # (the cut call is undone: the store counts 9 + 1 admitted)
+        assert await stored(redis_url, prefix, "ip:dl", limits) == 9
+
+
+async def settle(limiter: Limiter, within: float = 10.0) -> None:
+    protocol = limiter._protocol
+    async with asyncio.timeout(within):
+        while protocol._tasks:  # noqa: ASYNC110 - the protocol has no event for it
+            await asyncio.sleep(0.005)
