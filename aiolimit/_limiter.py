@@ -553,12 +553,22 @@ class Limiter:
                 decision = await self._decide_within(
                     plans, weight, seconds - (time.monotonic() - began)
                 )
-                prefetch.observe(plans, weight, decision, sent)
-                return decision
+                return self._observed(prefetch, plans, weight, decision, sent)
         sent = clock.monotonic()
         decision = await self._decide(ACQUIRE, plans, weight)
+        return self._observed(prefetch, plans, weight, decision, sent)
+
+    def _observed(
+        self, prefetch: Allowances, plans: list[IdentifierPlan], weight: int,
+        decision: Decision, sent: float,
+    ) -> Decision:  # fmt: skip
+        """A decision the store made for ``weight`` alone, noted for sizing; a refusal that
+        only this process's own units kept out says so (``Allowances.refused``)."""
         prefetch.observe(plans, weight, decision, sent)
-        return decision
+        if decision.allowed or decision.degraded:
+            return decision
+        now = self.clock.monotonic()
+        return prefetch.refused(plans, weight, decision, max(now - sent, 0.001))
 
     async def _decide_within(
         self, plans: list[IdentifierPlan], weight: int, left: float

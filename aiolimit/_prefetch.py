@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -104,7 +105,8 @@ class Allowance:
     monotonic time) had not passed."""
 
     __slots__ = (
-        "details", "left", "plans", "remaining", "sent", "timer", "turn", "until", "used",
+        "back", "back_units", "details", "left", "plans", "remaining", "sent", "timer", "turn",
+        "until", "used",
     )  # fmt: skip
 
     def __init__(self, plans: Sequence[IdentifierPlan]) -> None:
@@ -117,6 +119,9 @@ class Allowance:
         self.remaining = 0
         self.details: tuple[PairDecision, ...] = ()
         self.timer: asyncio.TimerHandle | None = None
+        # The give-back of its units still in flight (and how many), if any.
+        self.back: asyncio.Task[None] | None = None
+        self.back_units = 0
 
 
 class Allowances:
@@ -262,6 +267,48 @@ class Allowances:
         entry.sent = sent
         entry.used = weight
 
+    def refused(
+        self, plans: Sequence[IdentifierPlan], weight: int, decision: Decision, wait: float
+    ) -> Decision:
+        """A refusal the store made for ``weight`` alone, while units this process holds on
+        ``plans`` (too few for the call) were counted in it: when they alone keep it out
+        (each refusing pair's remaining plus them would fit it), they are given back now, and
+        the refusal says to try again in ``wait`` seconds (about the round trip the give-back
+        takes), not when the window would have slid far enough (up to a whole period: an
+        ``acquire`` slept that long, or gave up at once under its timeout)."""
+        entry = self._by_ids.get(self.key(plans))
+        if entry is None or len(entry.plans) != len(plans):
+            return decision
+        if entry.turn is not None:
+            left = entry.left  # (held: given back now)
+        elif entry.back is not None and not entry.back.done():
+            left = entry.back_units  # (being given back: this call may have been judged first)
+        else:
+            return decision
+        if not left:
+            return decision
+        for mine, theirs in zip(plans, entry.plans, strict=True):
+            if mine.limits is not theirs.limits and mine.limits != theirs.limits:
+                return decision
+        details = decision.details
+        if not details or any(
+            not pair.allowed and pair.remaining + left < weight for pair in details
+        ):
+            return decision
+        self._finish(entry)
+        pairs = tuple(
+            pair
+            if pair.allowed or pair.retry_after <= wait
+            else _new_pair(
+                PairDecision,
+                (pair.identifier, pair.limit, False, pair.remaining, wait, pair.reset_after),
+            )
+            for pair in details
+        )
+        return dataclasses.replace(
+            decision, retry_after=min(decision.retry_after, wait), details=pairs
+        )
+
     def opened(
         self, plans: Sequence[IdentifierPlan], weight: int, extra: int, turn: Turn,
         decision: Decision, sent: float, epoch: int, *, replayed: bool = False,
@@ -285,7 +332,7 @@ class Allowances:
         entry.details = decision.details
         if life is None or life - self._clock.monotonic() < MIN_LIFE or epoch != self.epoch:
             entry.until = -math.inf
-            self._protocol.give_back(turn, extra)
+            self._giving_back(entry, turn, extra)
             self.returned += 1
             entry.turn = None
             entry.left = 0
@@ -370,7 +417,15 @@ class Allowances:
         entry.details = ()
         if left:
             self.returned += 1
-        self._protocol.give_back(turn, left)
+        self._giving_back(entry, turn, left)
+
+    def _giving_back(self, entry: Allowance, turn: Turn, units: int) -> None:
+        """Gives ``units`` of the entry's op back (none: settles it); remembered on the entry
+        while in flight (``refused``)."""
+        task = self._protocol.give_back(turn, units)
+        if task is not None:
+            entry.back, entry.back_units = task, units
+            task.add_done_callback(lambda _: _gone(entry, task))
 
     def drop(self, identifiers: set[str]) -> None:
         """Ends (and forgets) the allowances on any of ``identifiers`` (a reset)."""
@@ -405,3 +460,8 @@ class Allowances:
             kept = {key: entry for key, entry in kept.items() if entry.turn is not None}
         self._by_ids = kept
         self._tuples = {key for key in kept if type(key) is tuple}
+
+
+def _gone(entry: Allowance, task: asyncio.Task[None]) -> None:
+    if entry.back is task:
+        entry.back, entry.back_units = None, 0

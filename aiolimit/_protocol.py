@@ -569,14 +569,15 @@ class Protocol:
         else:
             self.ops.settle(turn.keys, turn.op)
 
-    def give_back(self, turn: Turn, weight: int) -> None:
+    def give_back(self, turn: Turn, weight: int) -> asyncio.Task[None] | None:
         """Settles a kept-open op (``KeepOpen``): with ``weight``, that much of what it charged
         is given back first, by an undo of the op for that weight (it credits each key at the
-        time the op charged it, once) in the background, until the store answers."""
+        time the op charged it, once) in the background, until the store answers (the task
+        returned)."""
         if weight:
-            self._spawn(self._settle(turn.plans, weight, turn.op, turn.keys))
-        else:
-            self.ops.settle(turn.keys, turn.op)
+            return self._spawn(self._settle(turn.plans, weight, turn.op, turn.keys))
+        self.ops.settle(turn.keys, turn.op)
+        return None
 
     async def refund(self, plans: Sequence[IdentifierPlan], weight: int) -> Decision:
         """Gives ``weight`` back on every pair, once (a resent copy replays). A refund once

@@ -204,3 +204,63 @@ async def settle(limiter: Limiter, within: float = 10.0) -> None:
     async with asyncio.timeout(within):
         while protocol._tasks:  # noqa: ASYNC110 - the protocol has no event for it
             await asyncio.sleep(0.005)
+
+
+async def test_on_a_cluster_several_limiters_near_the_limit_and_calls_across_slots(
+    redis_cluster_url: str, prefix: str
+) -> None:
+    """Cluster: calls on one identifier take units ahead (several limiters, near the limit:
+    never past it, stored exactly); calls on identifiers in different slots never do."""
+    limits = [Limit(120, per=3600, precision=60)]
+    limiters = [
+        Limiter(redis_cluster_url, limits, prefix=prefix, prefetch=16, cache_refusals=True)
+        for _ in range(3)
+    ]
+    admitted = {"ip:c1": 0, "ip:c2": 0}
+    refunded = {"ip:c1": 0, "ip:c2": 0}
+    try:
+        for round_ in range(40):
+            calls = []
+            for index in range(12):
+                limiter = limiters[(round_ + index) % 3]
+                ids = ["ip:c1"] if index % 3 else ["ip:c1", "ip:c2"]
+                calls.append((ids, limiter.try_acquire(ids)))
+            decisions = await asyncio.gather(*(call for _, call in calls))
+            for (ids, _), decision in zip(calls, decisions, strict=True):
+                if decision.allowed:
+                    for name in ids:
+                        admitted[name] += 1
+        for limiter in limiters:
+            assert limiter._prefetch is not None
+        assert sum(limiter.statistics().prefetched for limiter in limiters) > 0
+        assert admitted["ip:c1"] <= 120
+    finally:
+        for limiter in limiters:
+            await limiter.aclose()
+    for name in admitted:
+        assert await stored(redis_cluster_url, prefix, name, limits) == (
+            admitted[name] - refunded[name]
+        )
+
+
+@pytest.mark.parametrize("cache", [False, True])
+async def test_a_call_kept_out_only_by_this_process_s_own_units_is_not_told_to_wait_a_window(
+    redis_url: str, prefix: str, cache: bool
+) -> None:
+    """20 an hour, 2 admitted, 2 more held here: a call of 17 fits what was admitted, but the
+    store counts the units held here and refuses it, with the retry_after of the window (an
+    hour). The units go back within a second: the call must be told so, and ``acquire``
+    must get in (it gave up at once under timeout=5, and slept an hour without one)."""
+    limits = [Limit(20, per=3600, precision=60)]
+    async with Limiter(
+        redis_url, limits, prefix=prefix, prefetch=100, cache_refusals=cache
+    ) as limiter:
+        for _ in range(2):
+            assert (await limiter.try_acquire("ip:own")).allowed
+        assert limiter._prefetch is not None and limiter._prefetch.taken == 1
+        refused = await limiter.try_acquire("ip:own", 17)
+        if not refused.allowed:
+            assert refused.retry_after < 1.0, refused
+        admitted = await limiter.acquire("ip:own", 17, timeout=5)
+        assert admitted.allowed
+    assert await stored(redis_url, prefix, "ip:own", limits) == 19
