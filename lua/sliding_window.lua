@@ -24,6 +24,9 @@
 --           rest of the string is cut;
 --   undo    (`at` given: only the bucket of that time is credited) lowers c of the k records
 --           after it, O(k): the limiter undoes within a round trip, so k is a few buckets.
+--           A bucket holding less than the undo's weight (a refund, newest first, took some
+--           of it for weight charged earlier) gives the rest from the older buckets, newest
+--           first (sw_spill, O(records), rare): as if the op had never charged.
 -- Bytes still move in proportion to the buckets (HGETALL, HSET and string.sub copy the field,
 -- ~10-25 bytes a bucket), at memory speed; aiolimit/_limits.py caps n (MAX_BUCKETS) so that
 -- stays well under a millisecond. Memory: at most n records; the key's TTL covers the newest
