@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 #: The largest ``prefetch``.
 MAX_PREFETCH = 1_000_000
 #: An allowance ends this long before the bucket it was charged in can have ended in the
-#: store's time (seconds), plus a thousandth of its length (the two clocks' rates may differ).
+#: store's time (seconds), plus a thousandth of its length (the two clocks' rates may differ),
+#: plus twice a cached authority clock's error bound.
 MARGIN = 0.001
 #: An allowance shorter than this is not worth taking (seconds).
 MIN_LIFE = 0.002
@@ -360,7 +361,11 @@ class Allowances:
             shortest = min(shortest, left)
         if shortest == math.inf:
             return None
-        return sent + min(shortest - MARGIN - shortest / 1000, MAX_LIFE)
+        # A clock that extrapolates the authority's time (AuthorityClock(max_age=...)) may be
+        # off by its error bound, and another process's as much the other way: this one's
+        # bucket may end that much earlier in the time the store judges by.
+        error = getattr(self._clock, "error_bound", 0.0)
+        return sent + min(shortest - MARGIN - shortest / 1000 - 2 * error, MAX_LIFE)
 
     def _decision(self, entry: Allowance, weight: int, now: float) -> Decision:
         return self._rebuilt_pairs(entry.details, entry.plans, weight, entry.left, now, entry.sent)

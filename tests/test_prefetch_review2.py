@@ -264,3 +264,84 @@ async def test_a_call_kept_out_only_by_this_process_s_own_units_is_not_told_to_w
         admitted = await limiter.acquire("ip:own", 17, timeout=5)
         assert admitted.allowed
     assert await stored(redis_url, prefix, "ip:own", limits) == 19
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_late_refunds_across_short_buckets_with_several_limiters_store_exactly(
+    redis_url: str, prefix: str, seed: int
+) -> None:
+    """Several limiters (some prefetching) on short buckets; admissions are refunded a few
+    buckets later, while other units are held: the store ends counting admitted - refunded."""
+    import random
+
+    rng = random.Random(seed)
+    limits = [Limit(400, per=30, precision=0.05)]
+    limiters = [
+        Limiter(redis_url, limits, prefix=prefix, prefetch=rng.choice([0, 8, 32])) for _ in range(3)
+    ]
+    admitted = refunded = 0
+    pending: list[tuple[Limiter, object]] = []
+    try:
+        for _ in range(60):
+            calls = [(limiter, limiter.try_acquire("ip:lr", rng.choice([1, 1, 2]))) for limiter in
+                     (rng.choice(limiters) for _ in range(8))]  # fmt: skip
+            decisions = await asyncio.gather(*(call for _, call in calls))
+            for (limiter, _), decision in zip(calls, decisions, strict=True):
+                if decision.allowed:
+                    admitted += decision._charge.weight if decision._charge else 0
+                    if rng.random() < 0.25:
+                        pending.append((limiter, decision))
+            if pending and rng.random() < 0.5:
+                limiter, decision = pending.pop(0)
+                refunded += decision._charge.weight  # type: ignore[attr-defined]
+                await limiter.refund("ip:lr", decision=decision)  # type: ignore[arg-type]
+            await asyncio.sleep(rng.random() * 0.03)
+    finally:
+        for limiter in limiters:
+            await limiter.aclose()
+    assert await stored(redis_url, prefix, "ip:lr", limits) == admitted - refunded
+
+
+async def test_a_cached_authority_clock_s_error_never_lets_an_allowance_outlive_its_bucket(
+    standalone_proxy: Proxy, redis_url: str, prefix: str
+) -> None:
+    """AuthorityClock(max_age=...) extrapolates the authority's TIME from one sample: its
+    estimate may be off by up to its ``error_bound`` (half the sample's round trip; here the
+    reply path was 20 ms slow, so this process's time runs 10 ms behind the authority's). Its
+    allowance ended 9 ms after its bucket had (1 ms margin): the other limiter had moved the
+    key into the next window, and the units held were admitted on top of it (34 of 30 in
+    that window, by the authority's time, this machine's clock). Without prefetch those calls
+    go to the store, which judges them in the new window."""
+    from aiolimit import FixedWindow
+    from aiolimit._authority import AuthorityClock
+
+    limits = [FixedWindow(30, per=1)]
+    behind = AuthorityClock(standalone_proxy.url, max_age=3600, samples=1)
+    await behind.now_us()  # (connected)
+    standalone_proxy.delay = 0.02  # (while the clock samples: its offset is 10 ms off)
+    await behind.synchronize()
+    standalone_proxy.delay = 0
+    exact = AuthorityClock(redis_url, max_age=3600)
+    times: list[float] = []
+    async with (
+        Limiter(redis_url, limits, prefix=prefix, prefetch=64, clock=behind) as limiter,
+        Limiter(redis_url, limits, prefix=prefix, clock=exact) as other,
+    ):
+        await other.peek("ip:warm")
+        await _bucket_start(1.0, slack=0.9)  # (0.92 into a window)
+        for _ in range(12):
+            if (await limiter.try_acquire("ip:au")).allowed:
+                times.append(time.time())
+        while time.time() % 1.0 > 0.5 or time.time() % 1.0 < 0.001:  # noqa: ASYNC110
+            await asyncio.sleep(0.0005)  # (to the next window)
+        for _ in range(40):
+            if (await other.try_acquire("ip:au")).allowed:
+                times.append(time.time())
+            if (await limiter.try_acquire("ip:au")).allowed:
+                times.append(time.time())
+    await behind.aclose()
+    await exact.aclose()
+    windows: dict[int, int] = {}
+    for at in times:
+        windows[int(at)] = windows.get(int(at), 0) + 1
+    assert max(windows.values()) <= 30, windows
