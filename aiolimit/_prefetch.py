@@ -178,11 +178,7 @@ class Allowances:
         entry = self._by_ids.get(plans[0].identifier if len(plans) == 1 else self.key(plans))
         if entry is None or entry.left < weight or entry.turn is None:
             return None
-        held = entry.plans
-        for mine, theirs in zip(plans, held, strict=False):
-            if mine.limits is not theirs.limits and mine.limits != theirs.limits:
-                return None
-        if len(plans) != len(held):
+        if not _same_limits(plans, entry.plans):
             return None
         now = self._clock.monotonic()
         if now >= entry.until:
@@ -255,7 +251,7 @@ class Allowances:
         entry.remaining = decision.remaining
         if not decision.allowed:
             return
-        if now < entry.until and entry.plans is plans:
+        if now < entry.until and _same_limits(plans, entry.plans):
             entry.used += weight
             return
         life = self._life(decision.details, sent)
@@ -288,9 +284,8 @@ class Allowances:
             return decision
         if not left:
             return decision
-        for mine, theirs in zip(plans, entry.plans, strict=True):
-            if mine.limits is not theirs.limits and mine.limits != theirs.limits:
-                return decision
+        if not _same_limits(plans, entry.plans):
+            return decision
         details = decision.details
         if not details or any(
             not pair.allowed and pair.remaining + left < weight for pair in details
@@ -465,6 +460,16 @@ class Allowances:
             kept = {key: entry for key, entry in kept.items() if entry.turn is not None}
         self._by_ids = kept
         self._tuples = {key for key in kept if type(key) is tuple}
+
+
+def _same_limits(plans: Sequence[IdentifierPlan], held: Sequence[IdentifierPlan]) -> bool:
+    """Whether ``plans`` (made anew for each call) judge by the limits ``held`` did."""
+    if len(plans) != len(held):
+        return False
+    for mine, theirs in zip(plans, held, strict=True):
+        if mine.limits is not theirs.limits and mine.limits != theirs.limits:
+            return False
+    return True
 
 
 def _gone(entry: Allowance, task: asyncio.Task[None]) -> None:
