@@ -509,10 +509,14 @@ class Limiter:
     async def _prefetching(
         self, prefetch: Allowances, plans: list[IdentifierPlan], weight: int
     ) -> Decision:
-        """The store's decision for a call that may take units ahead (``prefetch``)."""
+        """The store's decision for a call that may take units ahead (``prefetch``). Whatever
+        it waits for (other calls' refills, a call with units ahead refused, then its own),
+        it is decided within the one deadline of a decision."""
         clock = self.clock
+        seconds = self._failure.deadline_seconds
+        began = time.monotonic()
         for _ in range(REFILL_WAITS):
-            if not await prefetch.refill(plans):
+            if not await self._refilled(prefetch, plans, seconds, began):
                 break
             # Another call was taking units ahead on these identifiers: from them, if it got
             # them and they are not all taken yet (else the next one's, a few times at most).
@@ -524,11 +528,10 @@ class Limiter:
             held = KeepOpen()
             token = HELD_TURNS.set(held)
             sent = clock.monotonic()
-            began = time.monotonic()
             prefetch.pending(plans, True)
             epoch = prefetch.sending()
             try:
-                decision = await self._decide(ACQUIRE, plans, weight + extra)
+                decision = await self._decide_within(plans, weight + extra, seconds, began)
             except BaseException:
                 for turn in held:  # (none: a turn is held only once the call returned)
                     self._protocol.end_turn(turn, undo=True)
@@ -544,19 +547,31 @@ class Limiter:
                 )  # fmt: skip
             if decision.allowed or decision.degraded:
                 return decision  # (the failure policy's answer: nothing was charged)
-            # Refused with the units ahead, which charged nothing: asked again for its own,
-            # within what is left of the one deadline the caller's decision has.
+            # Refused with the units ahead, which charged nothing: asked again for its own.
             prefetch.observe(plans, weight, decision, sent)
-            seconds = self._failure.deadline_seconds
-            if seconds is not None:
-                sent = clock.monotonic()
-                decision = await self._decide_within(
-                    plans, weight, seconds - (time.monotonic() - began)
-                )
-                return self._observed(prefetch, plans, weight, decision, sent)
         sent = clock.monotonic()
-        decision = await self._decide(ACQUIRE, plans, weight)
+        decision = await self._decide_within(plans, weight, seconds, began)
         return self._observed(prefetch, plans, weight, decision, sent)
+
+    async def _refilled(
+        self, prefetch: Allowances, plans: list[IdentifierPlan], seconds: float | None,
+        began: float,
+    ) -> bool:  # fmt: skip
+        """Waits for another call's refill on ``plans`` (``Allowances.refill``), within what
+        is left of the deadline: False when there was none, or no time is left."""
+        if seconds is None:
+            return await prefetch.refill(plans)
+        left = seconds - (time.monotonic() - began)
+        if left <= 0:
+            return False
+        scope = asyncio.timeout(left)
+        try:
+            async with scope:
+                return await prefetch.refill(plans)
+        except TimeoutError:
+            if not scope.expired():
+                raise
+            return False
 
     def _observed(
         self, prefetch: Allowances, plans: list[IdentifierPlan], weight: int,
@@ -571,11 +586,17 @@ class Limiter:
         return prefetch.refused(plans, weight, decision, max(now - sent, 0.001))
 
     async def _decide_within(
-        self, plans: list[IdentifierPlan], weight: int, left: float
+        self, plans: list[IdentifierPlan], weight: int, seconds: float | None, began: float
     ) -> Decision:
-        """``_decide`` (an acquire) cut at ``left`` seconds as the deadline would cut it: the
-        failure policy answers (a call that was sent is undone in the background)."""
+        """``_decide`` (an acquire) within what is left of a deadline of ``seconds`` that
+        began at ``began`` (``time.monotonic``), cut as the deadline would cut it: the failure
+        policy answers (a call that was sent is undone in the background)."""
+        if seconds is None:
+            return await self._decide(ACQUIRE, plans, weight)
+        left = seconds - (time.monotonic() - began)
         failure = self._failure
+        if left >= seconds:
+            return await self._decide(ACQUIRE, plans, weight)  # (its own deadline is the one)
         if left > 0:
             scope = asyncio.timeout(left)
             try:

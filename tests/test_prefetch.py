@@ -355,3 +355,35 @@ async def test_concurrent_callers_wait_for_a_refill_instead_of_asking_the_store(
         local = limiter.statistics().prefetched
         assert local >= 0.9 * 3200, local
     assert await stored(redis_url, prefix, "ip:w", limits) == admitted
+
+
+async def test_callers_waiting_for_refills_of_a_frozen_store_answer_within_their_deadline(
+    standalone_proxy: Proxy, prefix: str
+) -> None:
+    """The store stops answering while callers on a busy identifier wait for each other's
+    refills: each waits within its own one deadline (the failure policy then answers), never
+    for a chain of other callers' deadlines."""
+    limits = [Limit(10**6, per=3600, precision=60)]
+    limiter = Limiter(
+        standalone_proxy.url, limits, prefix=prefix, prefetch=4, deadline=0.2,
+        on_error="open", failure_threshold=10_000,
+    )  # fmt: skip
+    try:
+        for _ in range(20):
+            assert (await limiter.try_acquire("ip:z")).allowed
+        assert limiter.statistics().prefetched >= 5
+        standalone_proxy.partition()
+        longest = 0.0
+
+        async def caller() -> None:
+            nonlocal longest
+            for _ in range(6):
+                began = asyncio.get_running_loop().time()
+                await limiter.try_acquire("ip:z")
+                longest = max(longest, asyncio.get_running_loop().time() - began)
+
+        await asyncio.wait_for(asyncio.gather(*(caller() for _ in range(12))), 60)
+        assert longest < 0.5, longest  # (a chain of other callers' deadlines: 0.8 s and more)
+    finally:
+        standalone_proxy.heal()
+        await limiter.aclose()
