@@ -524,14 +524,23 @@ class Limiter:
             if local is not None:
                 return local
         extra = prefetch.extra(plans, weight)
+        if extra and seconds is not None:
+            # Refused for its units ahead, a call is sent again for its own weight: when the
+            # store takes too long for two round trips in what is left of the deadline, it
+            # takes none (a call the store answers in time would come back as a failure).
+            if seconds - (time.monotonic() - began) < 2 * prefetch.round_trip:
+                extra = 0
         if extra:
             held = KeepOpen()
             token = HELD_TURNS.set(held)
             sent = clock.monotonic()
             prefetch.pending(plans, True)
             epoch = prefetch.sending()
+            asked = time.monotonic()
             try:
                 decision = await self._decide_within(plans, weight + extra, seconds, began)
+                if not decision.degraded:
+                    prefetch.round_trip = time.monotonic() - asked
             except BaseException:
                 for turn in held:  # (none: a turn is held only once the call returned)
                     self._protocol.end_turn(turn, undo=True)
@@ -550,7 +559,10 @@ class Limiter:
             # Refused with the units ahead, which charged nothing: asked again for its own.
             prefetch.observe(plans, weight, decision, sent)
         sent = clock.monotonic()
+        asked = time.monotonic()
         decision = await self._decide_within(plans, weight, seconds, began)
+        if not decision.degraded:
+            prefetch.round_trip = time.monotonic() - asked
         return self._observed(prefetch, plans, weight, decision, sent)
 
     async def _refilled(
@@ -558,10 +570,14 @@ class Limiter:
         began: float,
     ) -> bool:  # fmt: skip
         """Waits for another call's refill on ``plans`` (``Allowances.refill``), within what
-        is left of the deadline: False when there was none, or no time is left."""
+        is left of the deadline less twice the last round trip (its units may all go to
+        earlier waiters: the call must still have time to ask the store itself; a slow store
+        otherwise turned a chain of refills into calls past their deadline, and the breaker
+        opened on a store that answered every call in time): False when there was none, or
+        no time is left for it."""
         if seconds is None:
             return await prefetch.refill(plans)
-        left = seconds - (time.monotonic() - began)
+        left = seconds - (time.monotonic() - began) - 2 * prefetch.round_trip
         if left <= 0:
             return False
         scope = asyncio.timeout(left)

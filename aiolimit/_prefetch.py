@@ -144,6 +144,10 @@ class Allowances:
         # store, or nothing will give them back once the limiter is closed).
         self.epoch = 0
         self._in_flight = 0  # calls taking units ahead in flight
+        # The last round trip of a call this limiter's allowances sent that the store answered
+        # (seconds): a caller waits for another call's refill only while it would still have
+        # time to ask the store itself after.
+        self.round_trip = 0.0
         self._idle: asyncio.Event | None = None
 
     def sending(self) -> int:
