@@ -127,3 +127,37 @@ async def test_a_slow_store_does_not_turn_a_refused_prefetch_into_a_failure(
         assert took < 0.2 + 0.1, took
         assert limiter._failure.breaker.failures == 0
     assert await stored(redis_url, prefix, "ip:x", limits) == 10
+
+
+async def test_acquire_loops_near_the_limit_with_units_held_never_over_admit(
+    redis_url: str, prefix: str
+) -> None:
+    """Two prefetching limiters, callers looping on ``acquire(timeout=...)`` on one identifier
+    past its limit: refusals kept out by a limiter's own held units come back with short
+    retries (their units given back); never more admitted than the limit, the store counts
+    exactly what was admitted, nothing hangs."""
+    limits = [Limit(60, per=3600, precision=60)]
+    limiters = [
+        Limiter(redis_url, limits, prefix=prefix, prefetch=8, cache_refusals=cache)
+        for cache in (False, True)
+    ]
+    admitted = 0
+
+    async def caller(limiter: Limiter) -> None:
+        nonlocal admitted
+        for _ in range(12):
+            try:
+                decision = await limiter.acquire("ip:a", timeout=0.3)
+            except Exception:  # (RateLimited once the limit is reached)
+                continue
+            assert decision.allowed
+            admitted += 1
+
+    try:
+        async with asyncio.timeout(30):
+            await asyncio.gather(*(caller(limiters[i % 2]) for i in range(8)))
+    finally:
+        for limiter in limiters:
+            await limiter.aclose()
+    assert admitted == 60
+    assert await stored(redis_url, prefix, "ip:a", limits) == 60
