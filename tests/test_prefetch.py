@@ -21,18 +21,10 @@ from aiolimit import (
     TokenBucket,
 )
 from aiolimit.testing import ManualClock
-from tests._nodes import stored
+from tests._nodes import settle, stored
 from tests._proxy import Proxy
 
 pytestmark = pytest.mark.asyncio
-
-
-async def settle(limiter: Limiter, within: float = 10.0) -> None:
-    """Waits for the limiter's background work (the give-backs: undos of ops)."""
-    protocol = limiter._protocol
-    async with asyncio.timeout(within):
-        while protocol._tasks:  # noqa: ASYNC110 - the protocol has no event for it
-            await asyncio.sleep(0.005)
 
 
 async def test_a_busy_identifier_is_admitted_here_and_stored_exactly(

@@ -14,13 +14,6 @@ from tests._nodes import stored
 pytestmark = pytest.mark.asyncio
 
 
-async def settle(limiter: Limiter, within: float = 10.0) -> None:
-    protocol = limiter._protocol
-    async with asyncio.timeout(within):
-        while protocol._tasks:  # noqa: ASYNC110 - the protocol has no event for it
-            await asyncio.sleep(0.005)
-
-
 async def test_a_reset_during_a_prefetching_call_leaves_no_allowance(
     redis_url: str, prefix: str
 ) -> None:

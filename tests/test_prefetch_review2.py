@@ -9,7 +9,7 @@ import time
 import pytest
 
 from aiolimit import Limit, Limiter
-from tests._nodes import stored
+from tests._nodes import settle, stored
 from tests._proxy import Proxy
 
 pytestmark = pytest.mark.asyncio
@@ -197,13 +197,6 @@ async def test_a_call_refused_with_its_units_ahead_still_decides_within_the_dead
         assert decision.degraded and not decision.allowed  # (the policy's answer, on time)
         await settle(limiter)  # (the cut call is undone: the store counts 9 + 1 admitted)
         assert await stored(redis_url, prefix, "ip:dl", limits) == 9
-
-
-async def settle(limiter: Limiter, within: float = 10.0) -> None:
-    protocol = limiter._protocol
-    async with asyncio.timeout(within):
-        while protocol._tasks:  # noqa: ASYNC110 - the protocol has no event for it
-            await asyncio.sleep(0.005)
 
 
 async def test_on_a_cluster_several_limiters_near_the_limit_and_calls_across_slots(
