@@ -340,7 +340,9 @@ class Allowances:
             self._by_ids[key] = entry
             if type(key) is tuple:
                 self._tuples.add(key)
-            return self._rebuilt(decision, plans, weight, 0, self._clock.monotonic(), sent)
+            return self._rebuilt_pairs(
+                decision.details, plans, weight, 0, self._clock.monotonic(), sent
+            )
         entry.until = life
         self._by_ids[key] = entry
         if type(key) is tuple:
@@ -368,12 +370,6 @@ class Allowances:
 
     def _decision(self, entry: Allowance, weight: int, now: float) -> Decision:
         return self._rebuilt_pairs(entry.details, entry.plans, weight, entry.left, now, entry.sent)
-
-    def _rebuilt(
-        self, decision: Decision, plans: Sequence[IdentifierPlan], weight: int, left: int,
-        now: float, sent: float,
-    ) -> Decision:  # fmt: skip
-        return self._rebuilt_pairs(decision.details, plans, weight, left, now, sent)
 
     def _rebuilt_pairs(
         self, details: Sequence[PairDecision], plans: Sequence[IdentifierPlan], weight: int,
