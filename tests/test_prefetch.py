@@ -379,3 +379,24 @@ async def test_callers_waiting_for_refills_of_a_frozen_store_answer_within_their
     finally:
         standalone_proxy.heal()
         await limiter.aclose()
+
+
+async def test_weights_up_to_the_limit_take_nothing_ahead_past_it(
+    redis_url: str, prefix: str
+) -> None:
+    """A call of the whole amount leaves no room for units ahead; one above it is refused at
+    the boundary with a typed error, and nothing is stored for it."""
+    from aiolimit import WeightNeverFits
+
+    limits = [Limit(10, per=3600, precision=60)]
+    async with Limiter(redis_url, limits, prefix=prefix, prefetch=100) as limiter:
+        assert (await limiter.try_acquire("ip:h", 1)).allowed
+        assert (await limiter.try_acquire("ip:h", 1)).allowed  # (takes units ahead: busy)
+        assert not (await limiter.try_acquire("ip:h", 10)).allowed
+        with pytest.raises(WeightNeverFits):
+            await limiter.try_acquire("ip:h", 11)
+        await limiter.reset("ip:h")
+        assert (await limiter.try_acquire("ip:h", 10)).allowed
+        assert not (await limiter.try_acquire("ip:h", 1)).allowed
+        await settle(limiter)
+    assert await stored(redis_url, prefix, "ip:h", limits) == 10
