@@ -15,8 +15,11 @@ the same as one charged at its start. An allowance is used only while the store'
 still in the bucket the op charged in: that bucket ends ``reset_after - (n - 1) * precision``
 after the script ran (``reset_after`` as the reply gives it for an admitted pair of ``n``
 buckets), and the script ran after the call was sent, so the store's time at a local instant
-``m`` is at most ``reply time + (m - sent)``. The allowance ends ``margin`` before that bound.
-A unit taken later than that goes to the store. So every admitted unit is counted in its own
+``m`` is at most ``reply time + (m - sent)``. The allowance ends ``margin`` before that bound,
+and after ``MAX_LIFE`` at most. A unit taken later than that goes to the store. This needs one
+clock for every process (the server's, or a TIME authority: ``LocalClock`` is refused), and a
+reply that was a replay (a resent copy of an op that had run) keeps no units: its pairs tell
+the replay's bucket, not the op's. So every admitted unit is counted in its own
 bucket (or a later one, when the key's time ran ahead of the call's), and while an allowance
 lives the store counts its unused units too: other processes can only be refused early, never
 admitted past a limit.
@@ -25,12 +28,15 @@ Sizing. An allowance is taken only on identifiers seen this bucket already, and 
 twice the weight they were admitted in the bucket so far (the previous bucket's, when they were
 busy then), at most ``N`` and at most a quarter of what the store said remains: an identifier
 with one call per bucket never pays for one, and near a limit allowances shrink to nothing. A
-refused prefetch charged nothing; the call is made again for its own weight alone.
+refused prefetch charged nothing; the call is made again for its own weight alone. One call
+at a time takes units ahead on a set of identifiers; the others wait for its units, within
+their own deadline.
 
-What it does not see: a reset (or a refund) made by another process. A reset elsewhere wipes
-the units this process holds from the store's count; until its allowance ends (at most one
-bucket, at most ``N`` units per set of identifiers) this process may admit them on top of the
-count the store restarted. A reset through this limiter drops its allowances first.
+What it does not see: a count the store lost (a reset made by another process, a restart, a
+failover to a replica behind). That wipes the units this process holds from the store's count;
+until its allowance ends (at most one bucket and ``MAX_LIFE``, at most ``N`` units per set of
+identifiers) this process may admit them on top of the count the store restarted from. A reset
+through this limiter drops its allowances first.
 """
 
 from __future__ import annotations
