@@ -387,6 +387,31 @@ class Limiter:
             return await self._try_store(plans, weight, 0)  # (``_try``'s common path)
         return await self._try(plans, weight, 0)
 
+    def _take_prefetched(self, ids: Identifiers, weight: int) -> Decision | None:
+        """``try_acquire`` answered from this process's prefetched units, with nothing
+        awaited; None when the call must be made (prefetch off, no live allowance for these
+        identifiers, rules from Redis, metrics to record). ``weight`` is a valid weight.
+
+        The web layers' path for an admission made here: the same take as ``try_acquire``'s,
+        without its periodic yield (a request never loops without the server's reads
+        between)."""
+        prefetch = self._prefetch
+        if (
+            prefetch is None
+            or self._follower is not None
+            or self._metrics is not None
+            or self._rules_special
+        ):
+            return None
+        if self._closed:
+            self._check_usable()  # (raises; an allowance exists only where the loop was checked)
+        decision = prefetch.take(self._rules.plans(ids), weight)
+        if decision is not None:
+            counts = self._counts
+            counts["decisions"] += 1
+            counts["allowed"] += 1
+        return decision
+
     async def _follow(self, ids: Identifiers, *, strict: bool = False) -> BackendError | None:
         """Rules from Redis: read before the first decision; overrides looked up on demand.
 

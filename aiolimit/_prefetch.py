@@ -375,7 +375,21 @@ class Allowances:
         return sent + min(shortest - MARGIN - shortest / 1000 - 2 * error, MAX_LIFE)
 
     def _decision(self, entry: Allowance, weight: int, now: float) -> Decision:
-        return self._rebuilt_pairs(entry.details, entry.plans, weight, entry.left, now, entry.sent)
+        details = entry.details
+        if len(details) != 1:
+            return self._rebuilt_pairs(details, entry.plans, weight, entry.left, now, entry.sent)
+        # One pair (the commonest): as ``_rebuilt_pairs`` makes it, with no loop.
+        pair = details[0]
+        reset = pair.reset_after - (now - entry.sent)
+        if reset < 0.0:
+            reset = 0.0
+        remaining = pair.remaining + entry.left
+        identifier, limit = pair.identifier, pair.limit
+        return made_decision(
+            True, remaining, 0.0, reset, identifier, limit,
+            (_new_pair(PairDecision, (identifier, limit, True, remaining, 0.0, reset)),),
+            Charge(self._protocol, entry.plans, weight),
+        )  # fmt: skip
 
     def _rebuilt_pairs(
         self, details: Sequence[PairDecision], plans: Sequence[IdentifierPlan], weight: int,

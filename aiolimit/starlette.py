@@ -61,13 +61,22 @@ from aiolimit._web.flow import (
     RouteTable,
     Rule,
     Verdict,
+    _released,
     check_exempt,
     judge,
+    judge_ids,
     mark_exempt,
     route_rule,
 )
 from aiolimit._web.headers import PROBLEM_CONTENT_TYPE
-from aiolimit._web.keys import CLIENT_IP, KeyFunc, WeightFunc, _call, raw_header_key
+from aiolimit._web.keys import (
+    CLIENT_IP,
+    KeyFunc,
+    WeightFunc,
+    _call,
+    key_value,
+    raw_header_key,
+)
 
 __all__ = [
     "CLIENT_IP",
@@ -135,7 +144,20 @@ def _inclusion(scope: Scope) -> Any:
 
 
 def _encode(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+    return [(_field_name(name), value.encode("latin-1")) for name, value in headers]
+
+
+def _field_name(name: str) -> bytes:
+    """A header's name as ASGI sends it: lower case, bytes (the few our layers write, kept)."""
+    encoded = _FIELD_NAMES.get(name)
+    if encoded is None:
+        encoded = name.lower().encode("latin-1")
+        if len(_FIELD_NAMES) < 64:
+            _FIELD_NAMES[name] = encoded
+    return encoded
+
+
+_FIELD_NAMES: dict[str, bytes] = {}
 
 
 #: Where the first layer to judge a request leaves its ``RequestLimits`` in the ASGI scope.
@@ -367,9 +389,23 @@ class RateLimitMiddleware:
         self._legacy = legacy_headers
         self._marked: dict[int, tuple[int, bool]] = {}
         self._layers: dict[int, Layer] = {}  # per rule of the route table (they live as long)
+        # A request judged with no Request made (``_ids_of``): under the middleware's one
+        # rule, keyed by the client alone, at a fixed weight. The identifiers' kinds, with
+        # their ':'.
+        base = self._routes.base
+        self._simple: tuple[str, ...] | None = None
+        if (
+            not routes
+            and exempt is None
+            and isinstance(weight, int)
+            and all(func is CLIENT_IP for func in base.keys.values())
+        ):
+            self._simple = tuple(f"{kind}:" for kind in base.keys)
 
     def _client_ip(self, request: Request) -> str | None:
-        scope = request.scope
+        return self._client_of(request.scope)
+
+    def _client_of(self, scope: Scope) -> str | None:
         client = scope.get("client")
         peer = client[0] if client else None
         if not self._resolver.reads_forwarded:
@@ -429,33 +465,52 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
         own, is_exempt, seen = self._route(scope)
-        rule = None if is_exempt else self._routes.match(_route_path(scope))
-        request = Request(seen, receive)
-        if rule is not None and self._exempt is not None and await _call(self._exempt, request):
-            rule = None
-        base = None
-        if rule is not None:
-            base = self._layers.get(id(rule))
-            if base is None:
-                base = self._layers[id(rule)] = Layer(rule, self._client_ip, refund=self._refund)
-        outer = scope.get(SCOPE_KEY)
-        if isinstance(outer, RequestLimits):
-            # Another middleware judged first: join its decision (its headers, its refunds).
-            await self._join(outer, base, own, request, scope, receive, send)
-            return
-        layers = [dep.layer for dep in own]
-        if base is not None:
-            layers.insert(0, base)
-        if not layers:
-            await self.app(scope, receive, send)
-            return
-        state = RequestLimits(own, self._legacy, self._client_ip)
+        ids = None
+        if self._simple is not None and not own and not is_exempt and SCOPE_KEY not in scope:
+            ids = self._ids_of(scope)
+        if ids is not None:
+            # The commonest request (the middleware's one rule, keyed by the client alone):
+            # judged with no Request made.
+            state = RequestLimits((), self._legacy, self._client_ip)
+            scope[SCOPE_KEY] = state
+            simple = self._routes.base
+            weight = simple.weight
+            assert isinstance(weight, int)
+            verdict: Verdict | None = await judge_ids(
+                simple.limiter, ids, weight, refund=self._refund, legacy=self._legacy
+            )
+            if verdict is not None and verdict.refused:
+                await _send_problem(send, verdict)
+                return
+        else:
+            rule = None if is_exempt else self._routes.match(_route_path(scope))
+            request = Request(seen, receive)
+            if rule is not None and self._exempt is not None and await _call(self._exempt, request):
+                rule = None
+            base = None
+            if rule is not None:
+                base = self._layers.get(id(rule))
+                if base is None:
+                    base = Layer(rule, self._client_ip, refund=self._refund)
+                    self._layers[id(rule)] = base
+            outer = scope.get(SCOPE_KEY)
+            if isinstance(outer, RequestLimits):
+                # Another middleware judged first: join its decision (its headers, refunds).
+                await self._join(outer, base, own, request, scope, receive, send)
+                return
+            layers = [dep.layer for dep in own]
+            if base is not None:
+                layers.insert(0, base)
+            if not layers:
+                await self.app(scope, receive, send)
+                return
+            state = RequestLimits(own, self._legacy, self._client_ip)
+            scope[SCOPE_KEY] = state
+            verdict = await judge(layers, request, legacy=self._legacy, client_ip=self._client_ip)
+            if verdict is not None and verdict.refused:
+                await _send_problem(send, verdict)
+                return
         state.missed = self._marked.clear
-        scope[SCOPE_KEY] = state
-        verdict = await judge(layers, request, legacy=self._legacy, client_ip=self._client_ip)
-        if verdict is not None and verdict.refused:
-            await _send_problem(send, verdict)
-            return
         state.verdict = verdict
         if verdict is not None:
             verdict.keep_leases()
@@ -483,7 +538,9 @@ class RateLimitMiddleware:
             ):
                 # Released before the response's end goes out: a client that sends its next
                 # request on reading this one never finds its own slot still held.
-                await state.verdict.release()
+                releasing = state.verdict.releasing()
+                if releasing:
+                    await _released(releasing)
             try:
                 await send(message)
             except OSError:  # (ASGI 2.4: the server's send raises once the client is gone)
@@ -498,9 +555,22 @@ class RateLimitMiddleware:
             raise
         finally:
             if state.verdict is not None:
-                await state.verdict.release()
+                releasing = state.verdict.releasing()
+                if releasing:
+                    await _released(releasing)
         if status >= 500 and state.verdict is not None and not client_gone:
             await state.verdict.give_back(on_error=True)
+
+    def _ids_of(self, scope: Scope) -> list[str] | None:
+        """The identifiers of a request under the middleware's one rule when it is keyed by
+        the client alone (``_simple``), as ``Rule.identifiers`` makes them; None when no key
+        applies (the request is then judged as any other)."""
+        kinds = self._simple
+        assert kinds is not None
+        value = key_value(self._client_of(scope))
+        if value is None:
+            return None
+        return [kind + value for kind in kinds]
 
     async def _join(
         self,

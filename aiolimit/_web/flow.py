@@ -450,12 +450,22 @@ class Verdict:
     async def release(self) -> None:
         """The request is over: the ``Concurrency`` slots its admissions hold are released
         (a ``Concurrency`` limit counts requests in flight, not requests per lease TTL)."""
-        self._stop_renewing()
-        # All started before anything is awaited, and waited for together: a store that
-        # does not answer costs one wait, not one each.
-        releasing = self._start_releases()
+        releasing = self.releasing()
         if releasing:
             await _released(releasing)
+
+    def releasing(self) -> list[tuple[asyncio.Future[None], float]]:
+        """``release`` started, with nothing awaited: the releases to wait for (``_released``),
+        if any. All started before anything is awaited, and waited for together: a store
+        that does not answer costs one wait, not one each."""
+        if self.renewing is None:
+            for charge in self.charges:
+                if charge.decision.lease is not None:
+                    break
+            else:
+                return []  # (the commonest: no lease anywhere, nothing to release)
+        self._stop_renewing()
+        return self._start_releases()
 
     def _start_releases(self) -> list[tuple[asyncio.Future[None], float]]:
         started = (_start_release(c.decision, c.limiter) for c in self.charges)
@@ -465,6 +475,11 @@ class Verdict:
         """While the request runs, its leases are renewed every third of their TTL, so a
         request that outlives ``lease_ttl`` (a stream, a long download) still counts;
         ``release`` stops it. Nothing runs for a request that holds no lease."""
+        for charge in self.charges:
+            if charge.decision.lease is not None:
+                break
+        else:
+            return  # (the commonest: no lease anywhere)
         ttls = [ttl for c in self.charges if (ttl := _lease_ttl(c.decision)) is not None]
         if not ttls:
             return
@@ -615,16 +630,26 @@ async def _judge_one(layer: Layer, request: Any, *, legacy: bool) -> Verdict | N
     if not ids:
         return None
     weight = await rule.weight_of(request)
-    limiter = rule.limiter
-    try:
-        decision = await limiter.try_acquire(ids, weight)
-    except WeightNeverFits as exc:
-        status, body = never_fits_body(exc)
-        return Verdict([], None, [], status, body)
-    if not decision.allowed:
-        return refusal(decision, legacy=legacy, limiter=limiter)
+    return await judge_ids(rule.limiter, ids, weight, refund=layer.refund, legacy=legacy)
+
+
+async def judge_ids(
+    limiter: Limiter, ids: list[str], weight: int, *, refund: bool, legacy: bool
+) -> Verdict:
+    """One limiter's verdict on ``ids`` at ``weight`` (a valid weight): admitted from the
+    units this process took ahead when it can (``Limiter(prefetch=)``: nothing awaited),
+    else decided by ``try_acquire``."""
+    decision = limiter._take_prefetched(ids, weight)
+    if decision is None:
+        try:
+            decision = await limiter.try_acquire(ids, weight)
+        except WeightNeverFits as exc:
+            status, body = never_fits_body(exc)
+            return Verdict([], None, [], status, body)
+        if not decision.allowed:
+            return refusal(decision, legacy=legacy, limiter=limiter)
     return Verdict(
-        [Charge(limiter, ids, weight, decision, ids if layer.refund else [])],
+        [Charge(limiter, ids, weight, decision, ids if refund else [])],
         decision,
         rate_limit_headers(shown(limiter, decision), legacy=legacy),
     )

@@ -73,30 +73,28 @@ class _Item:
 
 
 #: (the policy name, quota, window, RateLimit-Policy item) per (identifier kind, limit), or
-#: None for a limit that cannot be described: the same on every response (bounded).
-_DESCRIBED: dict[tuple[str, BaseLimit], tuple[str, int, int, str] | None] = {}
+#: None for a limit that cannot be described: the same on every response (bounded). Keyed by
+#: the limit object's identity (hashing a limit hashes all its fields), and holding the limit
+#: itself, so that an id reused by a later object is never taken for it.
+_DESCRIBED: dict[tuple[str, int], tuple[BaseLimit, tuple[str, int, int, str] | None]] = {}
 _DESCRIBED_MAX = 1024
 
 
 def _described(identifier: str, limit: BaseLimit) -> tuple[str, int, int, str] | None:
     kind = identifier.partition(":")[0] if ":" in identifier else "default"
-    key = (kind, limit)
-    try:
-        return _DESCRIBED[key]
-    except KeyError:
-        pass
-    except TypeError:  # (a limit that cannot be hashed: described each time)
-        key = None  # type: ignore[assignment]
+    key = (kind, id(limit))
+    known = _DESCRIBED.get(key)
+    if known is not None and known[0] is limit:
+        return known[1]
     described = quota_and_window(limit)
     found = None
     if described is not None:
         quota, window = described
         name = policy_name(identifier, quota, window)
         found = (name, quota, window, f'"{name}";q={quota};w={window}')
-    if key is not None:
-        if len(_DESCRIBED) >= _DESCRIBED_MAX:
-            _DESCRIBED.clear()
-        _DESCRIBED[key] = found
+    if len(_DESCRIBED) >= _DESCRIBED_MAX:
+        _DESCRIBED.clear()
+    _DESCRIBED[key] = (limit, found)
     return found
 
 
@@ -135,11 +133,16 @@ def rate_limit_headers(decision: Decision, *, legacy: bool = False) -> list[tupl
         pair = details[0]
         described = _described(pair.identifier, pair.limit)
         if described is not None:
+            remaining = pair.remaining
+            if remaining < 0:
+                remaining = 0
+            seconds = math.ceil((pair.reset_after if pair.allowed else pair.retry_after) - 1e-9)
+            if seconds < 0:
+                seconds = 0  # (as ``_effective_window``, written out: every response has it)
             headers = [
                 ("RateLimit-Policy", described[3]),
-                ("RateLimit", f'"{described[0]}";r={max(0, pair.remaining)};t='
-                              f"{_effective_window(pair)}"),
-            ]  # fmt: skip
+                ("RateLimit", f'"{described[0]}";r={remaining};t={seconds}'),
+            ]
             if not decision.allowed:
                 headers.append(("Retry-After", str(retry_after_seconds(decision))))
             return headers
