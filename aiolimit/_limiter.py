@@ -202,6 +202,9 @@ class Limiter:
                 "clock has ended already"
             )
         self._prefetch = Allowances(prefetch, self._protocol, self.clock) if prefetch else None
+        self._ahead: set[asyncio.Future[None]] = set()  # (refills ahead in flight: kept alive)
+        if self._prefetch is not None:
+            self._prefetch.low = self._running_low
         self._counts = {
             "decisions": 0,
             "allowed": 0,
@@ -556,39 +559,78 @@ class Limiter:
             if seconds - (time.monotonic() - began) < 2 * prefetch.round_trip:
                 extra = 0
         if extra:
-            held = KeepOpen()
-            token = HELD_TURNS.set(held)
-            sent = clock.monotonic()
-            prefetch.pending(plans, True)
-            epoch = prefetch.sending()
-            asked = time.monotonic()
-            try:
-                decision = await self._decide_within(plans, weight + extra, seconds, began)
-                if not decision.degraded:
-                    prefetch.round_trip = time.monotonic() - asked
-            except BaseException:
-                for turn in held:  # (none: a turn is held only once the call returned)
-                    self._protocol.end_turn(turn, undo=True)
-                raise
-            finally:
-                prefetch.pending(plans, False)
-                HELD_TURNS.reset(token)
-                prefetch.answered()
-            if held:
-                return prefetch.opened(
-                    plans, weight, extra, held[0], decision, sent, epoch,
-                    replayed=held.replayed,
-                )  # fmt: skip
-            if decision.allowed or decision.degraded:
-                return decision  # (the failure policy's answer: nothing was charged)
+            taken = await self._taking_ahead(prefetch, plans, weight, extra, seconds, began)
+            if taken is not None:
+                return taken
             # Refused with the units ahead, which charged nothing: asked again for its own.
-            prefetch.observe(plans, weight, decision, sent)
         sent = clock.monotonic()
         asked = time.monotonic()
         decision = await self._decide_within(plans, weight, seconds, began)
         if not decision.degraded:
             prefetch.round_trip = time.monotonic() - asked
         return self._observed(prefetch, plans, weight, decision, sent)
+
+    async def _taking_ahead(
+        self, prefetch: Allowances, plans: list[IdentifierPlan], weight: int, extra: int,
+        seconds: float | None, began: float,
+    ) -> Decision | None:  # fmt: skip
+        """Asks the store for ``weight`` plus ``extra`` units under one op kept open: the
+        caller's decision (``Allowances.opened`` keeps the extra units), or None when the
+        store refused it (nothing was charged: the caller asks again for its own weight)."""
+        held = KeepOpen()
+        token = HELD_TURNS.set(held)
+        sent = self.clock.monotonic()
+        prefetch.pending(plans, True)
+        epoch = prefetch.sending()
+        asked = time.monotonic()
+        try:
+            decision = await self._decide_within(plans, weight + extra, seconds, began)
+            if not decision.degraded:
+                prefetch.round_trip = time.monotonic() - asked
+        except BaseException:
+            for turn in held:  # (none: a turn is held only once the call returned)
+                self._protocol.end_turn(turn, undo=True)
+            raise
+        finally:
+            prefetch.pending(plans, False)
+            HELD_TURNS.reset(token)
+            prefetch.answered()
+        if held:
+            return prefetch.opened(
+                plans, weight, extra, held[0], decision, sent, epoch, replayed=held.replayed
+            )
+        if decision.allowed or decision.degraded:
+            return decision  # (the failure policy's answer: nothing was charged)
+        prefetch.observe(plans, weight, decision, sent)
+        return None
+
+    def _running_low(self, plans: Sequence[IdentifierPlan]) -> None:
+        """An allowance on ``plans`` is running low (``Allowances.low``): its next units are
+        asked for in a task of their own, unless a call on them is asking already."""
+        if self._closed:
+            return
+        task = asyncio.ensure_future(self._refill_ahead(list(plans)))
+        self._ahead.add(task)
+        task.add_done_callback(self._ahead.discard)
+
+    async def _refill_ahead(self, plans: list[IdentifierPlan]) -> None:
+        """Takes the next units on ``plans`` before the live allowance runs out, as a call
+        that needs none for itself (weight 0): no caller waits for it, and the calls that
+        find the allowance empty meanwhile wait for these units (``Allowances.refill``)
+        rather than each asking the store. Not a decision: nothing is counted, and a
+        failure only means the next call asks the store itself."""
+        prefetch = self._prefetch
+        if prefetch is None or self._closed:
+            return
+        extra = prefetch.extra(plans, 0)
+        if not extra:
+            return
+        try:
+            await self._taking_ahead(
+                prefetch, plans, 0, extra, self._failure.deadline_seconds, time.monotonic()
+            )
+        except Exception as exc:  # (on_error="raise", a closed limiter, ...): nobody to tell
+            logger.debug("aiolimit: taking units ahead in the background failed: %r", exc)
 
     async def _refilled(
         self, prefetch: Allowances, plans: list[IdentifierPlan], seconds: float | None,

@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from aiolimit._decision import Charge, Decision, PairDecision, made_decision
@@ -69,6 +69,9 @@ MIN_LIFE = 0.002
 MAX_LIFE = 1.0
 #: At most this share of what the store said remains is taken ahead (1 / SHARE).
 SHARE = 4
+#: Once a take leaves an allowance with less than 1 / LOW of its units, its next units are
+#: asked for in the background.
+LOW = 4
 #: Sets of identifiers remembered for sizing (live allowances come on top): past this, those
 #: not busy lately are forgotten (all of them, if all were).
 MAX_HINTS = 20_000
@@ -112,8 +115,8 @@ class Allowance:
     monotonic time) had not passed."""
 
     __slots__ = (
-        "back", "back_units", "details", "left", "plans", "remaining", "sent", "timer", "turn",
-        "until", "used",
+        "ahead", "back", "back_units", "details", "left", "plans", "remaining", "sent", "size",
+        "timer", "turn", "until", "used",
     )  # fmt: skip
 
     def __init__(self, plans: Sequence[IdentifierPlan]) -> None:
@@ -126,6 +129,8 @@ class Allowance:
         self.remaining = 0
         self.details: tuple[PairDecision, ...] = ()
         self.timer: asyncio.TimerHandle | None = None
+        self.size = 0  # the units it was opened with
+        self.ahead = False  # its next units were asked for ahead (``Allowances.low``)
         # The give-back of its units still in flight (and how many), if any.
         self.back: asyncio.Task[None] | None = None
         self.back_units = 0
@@ -155,6 +160,10 @@ class Allowances:
         # time to ask the store itself after.
         self.round_trip = 0.0
         self._idle: asyncio.Event | None = None
+        #: Called with an allowance's plans when a take leaves it below ``1 / LOW`` of its
+        #: units (once per allowance): the limiter asks for the next units in the
+        #: background, so that the calls that follow rarely find it empty and wait.
+        self.low: Callable[[Sequence[IdentifierPlan]], None] | None = None
 
     def sending(self) -> int:
         """A call that takes units ahead is sent: the epoch to hand to ``opened``."""
@@ -188,7 +197,11 @@ class Allowances:
         entry = self._by_ids.get(plans[0].identifier if len(plans) == 1 else self.key(plans))
         if entry is None or entry.left < weight or entry.turn is None:
             return None
-        if not _same_limits(plans, entry.plans):
+        held = entry.plans
+        if len(plans) == 1 and len(held) == 1:  # (``_same_limits`` of one plan, written out)
+            if plans[0].limits is not held[0].limits and plans[0].limits != held[0].limits:
+                return None
+        elif not _same_limits(plans, held):
             return None
         now = self._clock.monotonic()
         if now >= entry.until:
@@ -197,6 +210,9 @@ class Allowances:
         entry.left -= weight
         entry.used += weight
         self.local += 1
+        if entry.left * LOW < entry.size and not entry.ahead and self.low is not None:
+            entry.ahead = True
+            self.low(entry.plans)
         return self._decision(entry, weight, now)
 
     def extra(self, plans: Sequence[IdentifierPlan], weight: int) -> int:
@@ -327,11 +343,13 @@ class Allowances:
         key = self.key(plans)
         old = self._by_ids.get(key)
         if old is not None and old.turn is not None:
-            self._finish(old)
+            self._finish(old)  # (taken ahead: what the old one has left goes back)
         life = None if replayed else self._life(decision.details, sent)
         entry = Allowance(plans)
+        if old is not None and old.back is not None and not old.back.done():
+            entry.back, entry.back_units = old.back, old.back_units  # (for ``refused``)
         entry.turn = turn
-        entry.left = extra
+        entry.left = entry.size = extra
         entry.sent = sent
         entry.used = weight + (old.used if old is not None and old.until > sent else 0)
         entry.remaining = decision.remaining

@@ -26,13 +26,13 @@ def on_node(nodes: cluster.Cluster, prefix: str, tag: str, node: cluster.Node) -
 
 
 async def settle(limiter: Limiter, within: float = 10.0) -> None:
-    """Waits until the limiter's background undos and the store's pipelines are done (those
-    queued, in flight in a task, or waiting on a link for their replies; a standalone store
-    keeps none of its own)."""
+    """Waits until the limiter's background undos, its refills ahead (prefetch) and the
+    store's pipelines are done (those queued, in flight in a task, or waiting on a link for
+    their replies; a standalone store keeps none of its own)."""
     protocol = limiter._protocol
     store = protocol._store
     stop = time.monotonic() + within
-    while protocol._tasks or not getattr(store, "idle", True):
+    while protocol._tasks or limiter._ahead or not getattr(store, "idle", True):
         assert time.monotonic() < stop, "background work did not settle"
         await asyncio.sleep(0.01)
 

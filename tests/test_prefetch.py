@@ -113,8 +113,12 @@ async def test_an_allowance_ends_with_the_bucket_its_units_were_charged_in(
         clock.advance(0.085)  # 0.095 into the bucket: 1.1 ms before its end in the store
         assert (await limiter.try_acquire("ip:b")).allowed
         assert limiter.statistics().prefetched == local + 1
-        # (the two units taken ahead are used up: the store counts the four admissions)
-        assert 100 - (await reference.peek("ip:b")).remaining == 4
+        # (the two units taken ahead are used up, and the next ones were taken ahead in the
+        # background: the store counts the four admissions and the units still held here;
+        # the timer of an allowance runs in real time, so they may be back already)
+        await settle(limiter)
+        held = limiter._prefetch._by_ids["ip:b"].left
+        assert 100 - (await reference.peek("ip:b")).remaining == 4 + held
         clock.advance(0.0045)  # 0.0995: within the margin: to the store (bucket 0 still)
         assert (await limiter.try_acquire("ip:b")).allowed
         assert limiter.statistics().prefetched == local + 1
