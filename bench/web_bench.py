@@ -16,6 +16,15 @@ interleaved for ``rounds`` rounds; the table shows the median. Bounded: about
 - aiolimit-3: three identifiers (ip, user, route) x two limits each, one script call.
 - slowapi: ``SlowAPIASGIMiddleware`` with the same one limit on the same Redis (``limits``'
   synchronous Redis storage, as slowapi uses it), headers on.
+- headers-only: no limiter, a pure ASGI middleware that only adds two ``RateLimit`` fields of
+  the same shape to every response (a counter in ``r``): the floor any limiter that sends the
+  fields pays in this server, whatever its decision costs.
+- fastapi, fastapi-aiolimit-prefetch: the same endpoint as a FastAPI app, bare and behind the
+  prefetching middleware (compared with ``fastapi``: issue 10 states its web goal against a
+  bare FastAPI request).
+
+``--variants a,b,...`` runs some of them (``bare`` and, for the FastAPI ones, ``fastapi`` are
+added when missing: the shares are computed against them).
 """
 
 from __future__ import annotations
@@ -30,9 +39,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("bare", "aiolimit", "aiolimit-prefetch", "aiolimit-3", "slowapi")
+VARIANTS = (
+    "bare", "aiolimit", "aiolimit-prefetch", "aiolimit-3", "slowapi", "headers-only", "fastapi",
+    "fastapi-aiolimit-prefetch",
+)  # fmt: skip
 HUGE = 1_000_000_000
 #: requests/s, p50 latency ms, non-200 responses, server process CPU µs per request (or NaN)
 Result = tuple[float, float, int, float]
@@ -47,7 +60,15 @@ def build_app(variant: str, redis_url: str) -> object:
     async def hello(request: Request) -> PlainTextResponse:
         return PlainTextResponse("hello")
 
-    app = Starlette(routes=[Route("/", hello)])
+    app: Any = Starlette(routes=[Route("/", hello)])
+    if variant.startswith("fastapi"):
+        from fastapi import FastAPI
+
+        app = FastAPI()
+        app.get("/", response_class=PlainTextResponse)(_fastapi_hello)
+        variant = variant.removeprefix("fastapi").removeprefix("-") or "bare"
+    if variant == "headers-only":
+        return _with_fields(app)
     if variant.startswith("aiolimit"):
         from aiolimit import Limit, Limiter
         from aiolimit.starlette import CLIENT_IP, RateLimitMiddleware, header_key, path_key
@@ -77,6 +98,33 @@ def build_app(variant: str, redis_url: str) -> object:
         app.state.limiter = slow
         app.add_middleware(SlowAPIASGIMiddleware)
     return app
+
+
+async def _fastapi_hello() -> str:
+    return "hello"
+
+
+def _with_fields(app: Any) -> Any:
+    """``app`` behind a middleware that only adds two RateLimit fields (see headers-only)."""
+    left = [HUGE]
+    policy = (b"ratelimit-policy", b'"ip-%d-per-60s";q=%d;w=60' % (HUGE, HUGE))
+
+    async def fields_only(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        left[0] -= 1
+        remaining = left[0]
+
+        async def send_with_fields(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                fields = [policy, (b"ratelimit", b'"ip-%d-per-60s";r=%d;t=60' % (HUGE, remaining))]
+                message = {**message, "headers": [*message.get("headers", ()), *fields]}
+            await send(message)
+
+        await app(scope, receive, send_with_fields)
+
+    return fields_only
 
 
 def serve(variant: str, port: int, redis_url: str) -> None:
@@ -177,47 +225,55 @@ async def run_variant(variant: str, redis_url: str, seconds: float, concurrency:
             await process.wait()
 
 
-async def bench(seconds: float, rounds: int, concurrency: int) -> None:
+def _base(variant: str) -> str:
+    """The bare app a variant is compared with."""
+    return "fastapi" if variant.startswith("fastapi") else "bare"
+
+
+async def bench(seconds: float, rounds: int, concurrency: int, variants: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     import cluster
 
+    wanted = list(dict.fromkeys([_base(v) for v in variants] + variants))
+    chosen = [v for v in VARIANTS if v in wanted]
     with cluster.start_standalone() as server:
-        results: dict[str, list[Result]] = {v: [] for v in VARIANTS}
+        results: dict[str, list[Result]] = {v: [] for v in chosen}
         for _ in range(rounds):
-            for variant in VARIANTS:
+            for variant in chosen:
                 results[variant].append(
                     await run_variant(variant, server.url, seconds, concurrency)
                 )
-    bare = statistics.median(r[0] for r in results["bare"])
-    bare_cpu = statistics.median(r[3] for r in results["bare"])
     print(
-        f"\nuvicorn + Starlette, 1 worker; {concurrency} connections; {seconds:g} s x {rounds} "
-        f"round(s), median; redis-server {server.url}\n"
+        f"\nuvicorn + Starlette (FastAPI where named), 1 worker; {concurrency} connections; "
+        f"{seconds:g} s x {rounds} round(s), median; redis-server {server.url}\n"
     )
     print(
-        f"{'variant':<17} {'req/s':>9} {'p50 ms':>8} {'vs bare':>9} {'non-200':>8} "
+        f"{'variant':<26} {'req/s':>9} {'p50 ms':>8} {'vs bare':>9} {'non-200':>8} "
         f"{'cpu µs/req':>11} {'limiter µs/req':>15} {'of bare':>8}"
     )
-    for variant in VARIANTS:
+    for variant in chosen:
         rps = statistics.median(r[0] for r in results[variant])
         p50 = statistics.median(r[1] for r in results[variant])
         bad = sum(r[2] for r in results[variant])
         cpu = statistics.median(r[3] for r in results[variant])
+        bare = statistics.median(r[0] for r in results[_base(variant)])
+        bare_cpu = statistics.median(r[3] for r in results[_base(variant)])
         change = share = added = ""
-        if variant != "bare":
+        if variant != _base(variant):
             change = f"{(rps / bare - 1) * 100:+.1f}%"
             if not math.isnan(cpu) and not math.isnan(bare_cpu):
                 added = f"{cpu - bare_cpu:.1f}"
                 share = f"{(cpu - bare_cpu) / bare_cpu * 100:.0f}%"
         print(
-            f"{variant:<17} {rps:>9.0f} {p50:>8.2f} {change:>9} {bad:>8} {cpu:>11.1f} "
+            f"{variant:<26} {rps:>9.0f} {p50:>8.2f} {change:>9} {bad:>8} {cpu:>11.1f} "
             f"{added:>15} {share:>8}"
         )
     print(
         "\ncpu µs/req: the uvicorn process's CPU time (user + system, /proc) per request over "
-        "the measured phase; limiter µs/req: that less bare's (the web layer's and the "
-        "limiter's own work, redis-py's included); of bare: that as a share of a bare "
-        "request's CPU."
+        "the measured phase; limiter µs/req: that less bare's (fastapi's for the fastapi "
+        "variants): the web layer's and the limiter's own work, redis-py's included; of bare: "
+        "that as a share of a bare request's CPU. headers-only adds the two RateLimit fields "
+        "alone: the floor of sending them in this server."
     )
 
 
@@ -226,6 +282,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated, of: " + ", ".join(VARIANTS))  # fmt: skip
     parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--redis", help=argparse.SUPPRESS)
@@ -233,7 +291,11 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.port, args.redis)
     else:
-        asyncio.run(bench(args.seconds, args.rounds, args.concurrency))
+        variants = [v for v in args.variants.split(",") if v]
+        unknown = sorted(set(variants) - set(VARIANTS))
+        if unknown:
+            parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+        asyncio.run(bench(args.seconds, args.rounds, args.concurrency, variants))
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def test_rules_scale_and_middleware_cpu_benches_run(capsys: pytest.CaptureFixtur
     assert middleware_cpu.main(["--requests", "50", "--rounds", "1"]) == 0
     printed = capsys.readouterr().out
     assert "300 overrides" in printed and "behind RateLimitMiddleware" in printed
-    assert "with prefetch=256" in printed
+    assert "with prefetch=256" in printed and "decision and fields alone" in printed
 
 
 def test_script_cost_measures_each_scenario_of_two_libraries(
