@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
 
 import pytest
 
 from aiolimit import Limit, Limiter
-from tests._nodes import settle
+from tests._nodes import settle, stored
 from tests._proxy import Proxy
 
 pytestmark = pytest.mark.asyncio
@@ -106,3 +108,120 @@ async def test_a_failed_refill_ahead_does_not_open_the_breaker_on_the_next_calle
             decision,
             state,
         )
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_several_limiters_on_short_buckets_never_admit_past_the_limit_in_a_window(
+    redis_url: str, prefix: str, seed: int
+) -> None:
+    """Three limiters (processes), refills ahead on, hammer one identifier under
+    ``Limit(50, per=1, precision=0.1)`` for about 2.5 s. Each admission is timed (wall clock,
+    the server's: it runs here) from before the call to after it: any ten consecutive 0.1 s
+    buckets that surely hold more than 50 admissions are an over-admission. Once all close,
+    a second limit of an hour (same calls) stores exactly what was admitted."""
+    rng = random.Random(seed)
+    short, long = Limit(50, per=1, precision=0.1), Limit(1_000_000, per=3600, precision=60)
+    limits = [short, long]
+    limiters = [
+        Limiter(redis_url, limits, prefix=prefix, prefetch=rng.choice([8, 16, 32]))
+        for _ in range(3)
+    ]
+    times: list[tuple[float, float]] = []
+    stop = time.time() + 2.5
+
+    async def hammer(limiter: Limiter) -> None:
+        while time.time() < stop:
+            began = time.time()
+            decision = await limiter.try_acquire("ip:w")
+            if decision.allowed:
+                times.append((began, time.time()))
+            pause = rng.random()
+            if pause < 0.3:
+                await asyncio.sleep(rng.random() * 0.004)
+            elif pause < 0.6:
+                await asyncio.sleep(0)
+
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(*(hammer(limiter) for limiter in limiters for _ in range(3))), 15
+        )
+        ahead = sum(limiter._prefetch.taken for limiter in limiters)  # type: ignore[union-attr]
+        local = sum(limiter.statistics().prefetched for limiter in limiters)
+    finally:
+        for limiter in limiters:
+            await settle(limiter)
+            await limiter.aclose()
+    assert ahead and local, (ahead, local)
+    first = int(min(b for b, _ in times) / 0.1)
+    last = int(max(e for _, e in times) / 0.1)
+    worst = (0, 0)
+    for end in range(first, last + 1):
+        lo, hi = (end - 9) * 0.1, (end + 1) * 0.1
+        surely = sum(1 for b, e in times if lo <= b and e < hi)
+        worst = max(worst, (surely, end))
+    assert worst[0] <= 50, (worst, len(times))
+    assert await stored(redis_url, prefix, "ip:w", [long]) == len(times)
+
+
+async def test_a_refill_ahead_whose_reply_is_a_replay_keeps_no_units(
+    standalone_proxy: Proxy, redis_url: str, prefix: str
+) -> None:
+    """The refill's reply is lost (the server ran it) and the store sends it again: the copy
+    replays, so the refill keeps nothing (as a caller's call taking units ahead would), and
+    the store counts the admissions alone."""
+    from tests._proxy import drop_first_script_reply
+
+    limits = [Limit(1000, per=60)]
+    async with Limiter(standalone_proxy.url, limits, prefix=prefix, prefetch=8) as limiter:
+        admitted = 0
+        for _ in range(2):  # (the second takes 2 ahead)
+            admitted += (await limiter.try_acquire("ip:rr")).allowed
+        assert held(limiter, "ip:rr") == 2
+        dropped = drop_first_script_reply(standalone_proxy)
+        admitted += await _local_until_a_refill_is_sent(limiter, "ip:rr")
+        await settle(limiter)
+        assert dropped == [1]
+        assert held(limiter, "ip:rr") == 0
+        for _ in range(20):
+            admitted += (await limiter.try_acquire("ip:rr")).allowed
+        await settle(limiter)
+        assert await stored(redis_url, prefix, "ip:rr", limits) == admitted + held(limiter, "ip:rr")
+    assert await stored(redis_url, prefix, "ip:rr", limits) == admitted
+
+
+async def test_units_taken_ahead_after_a_reset_began_but_before_its_delete_ran_are_not_kept(
+    redis_url: str, prefix: str, standalone_proxy: Proxy
+) -> None:
+    """(The prefetch core, older than refills ahead.) ``reset()`` drops this limiter's
+    allowances and moves the epoch *before* it sends UNLINK; a call taking units ahead sent
+    after that (same epoch) but run by the server before the UNLINK (another connection of
+    the pool; here the UNLINK is held 150 ms on its way) has its units wiped by the reset, yet
+    keeps them: once ``reset()`` has returned this process admits them on top of a count
+    restarted from zero, and the identifier gets more than the limit after the reset."""
+    limits = [Limit(30, per=3600, precision=60)]
+
+    async def hold_unlink(link: object, data: bytes) -> None:
+        if b"UNLINK" in data.upper():
+            await asyncio.sleep(0.15)
+
+    async with (
+        Limiter(standalone_proxy.url, limits, prefix=prefix, prefetch=16, deadline=2) as limiter,
+        Limiter(redis_url, limits, prefix=prefix) as other,
+    ):
+        for _ in range(2):  # (busy: the second takes units ahead)
+            assert (await limiter.try_acquire("ip:x")).allowed
+        standalone_proxy.on_request = hold_unlink
+        resetting = asyncio.create_task(limiter.reset("ip:x"))
+        await asyncio.sleep(0.02)  # (dropped here; the UNLINK is on its way)
+        assert not resetting.done()
+        for _ in range(2):  # (a plain call, then one that takes units ahead: run before it)
+            assert (await limiter.try_acquire("ip:x")).allowed
+        await resetting
+        standalone_proxy.on_request = None
+        kept = held(limiter, "ip:x")
+        after = 0
+        for _ in range(40):
+            after += (await limiter.try_acquire("ip:x")).allowed
+            after += (await other.try_acquire("ip:x")).allowed
+        await settle(limiter)
+        assert (after, kept) == (30, 0), (after, kept)
