@@ -225,3 +225,45 @@ async def test_units_taken_ahead_after_a_reset_began_but_before_its_delete_ran_a
             after += (await other.try_acquire("ip:x")).allowed
         await settle(limiter)
         assert (after, kept) == (30, 0), (after, kept)
+
+
+async def test_a_refill_ahead_sent_after_the_rules_changed_takes_nothing_under_the_old_ones(
+    redis_url: str, prefix: str
+) -> None:
+    """``set_rules``: "Replaces the rules for the decisions that start from now on". The take
+    that runs an allowance low spawns a refill for the allowance's (old) plans; the rules
+    change before the task runs (nothing awaited in between); the refill then starts, after
+    the change, and charges a new allowance under the old limits (``_refill_ahead`` never
+    looks at the rules in force). No call can use those units (``take`` compares limits), but
+    the store counts them: here both limits share their counter (same period and precision),
+    so for up to a second the identifier is refused under the new limit for units nobody
+    will admit. Expected: the new limit of 40 admits 40 less what was admitted before."""
+    old, new = [Limit(1000, per=3600, precision=60)], [Limit(40, per=3600, precision=60)]
+    async with (
+        Limiter(redis_url, old, prefix=prefix, prefetch=64) as limiter,
+        Limiter(redis_url, new, prefix=prefix) as other,
+    ):
+        admitted = 0
+        for _ in range(6):  # (busy: allowances of a few units, each refilled ahead)
+            admitted += (await limiter.try_acquire("ip:c")).allowed
+            await settle(limiter)
+        assert held(limiter, "ip:c") > 0
+        # Down to nothing from the allowance, with nothing awaited (the web layers' take):
+        # the refill ahead is spawned on the way, and has not run yet.
+        while (decision := limiter._take_prefetched(["ip:c"], 1)) is not None:
+            assert decision.allowed
+            admitted += 1
+        assert len(limiter._ahead) == 1 and held(limiter, "ip:c") == 0
+        limiter.set_rules(new)
+        await settle(limiter)  # (the refill ran: under the old limits)
+        taken_under_old_rules = held(limiter, "ip:c")
+        after = 0
+        for _ in range(30):
+            after += (await limiter.try_acquire("ip:c")).allowed
+            after += (await other.try_acquire("ip:c")).allowed
+        await settle(limiter)
+        assert (after, taken_under_old_rules) == (40 - admitted, 0), (
+            after,
+            taken_under_old_rules,
+            admitted,
+        )
