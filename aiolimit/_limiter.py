@@ -36,7 +36,7 @@ from aiolimit._failure import (
 from aiolimit._follow import RulesFollower, publish
 from aiolimit._keys import check_prefix, identifier_kind
 from aiolimit._limits import BaseLimit
-from aiolimit._prefetch import MAX_PREFETCH, Allowances, eligible
+from aiolimit._prefetch import MAX_PREFETCH, Allowances, eligible, same_limits
 from aiolimit._protocol import HELD_TURNS, UNDO_BUDGET, KeepOpen, Protocol, Turn
 from aiolimit._refusals import DEFAULT_SIZE, RefusalCache
 from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight, identifiers_of
@@ -406,8 +406,7 @@ class Limiter:
             or self._rules_special
         ):
             return None
-        if self._closed:
-            self._check_usable()  # (raises; an allowance exists only where the loop was checked)
+        self._check_usable()  # (closed, or another event loop: raises as try_acquire does)
         decision = prefetch.take(self._rules.plans(ids), weight)
         if decision is not None:
             counts = self._counts
@@ -572,11 +571,12 @@ class Limiter:
 
     async def _taking_ahead(
         self, prefetch: Allowances, plans: list[IdentifierPlan], weight: int, extra: int,
-        seconds: float | None, began: float,
+        seconds: float | None, began: float, *, background: bool = False,
     ) -> Decision | None:  # fmt: skip
         """Asks the store for ``weight`` plus ``extra`` units under one op kept open: the
         caller's decision (``Allowances.opened`` keeps the extra units), or None when the
-        store refused it (nothing was charged: the caller asks again for its own weight)."""
+        store refused it (nothing was charged: the caller asks again for its own weight).
+        ``background``: a refill ahead (``_quietly``); None as well when it failed."""
         held = KeepOpen()
         token = HELD_TURNS.set(held)
         sent = self.clock.monotonic()
@@ -584,7 +584,13 @@ class Limiter:
         epoch = prefetch.sending()
         asked = time.monotonic()
         try:
-            decision = await self._decide_within(plans, weight + extra, seconds, began)
+            if background:
+                answer = await self._quietly(plans, weight + extra)
+                if answer is None:
+                    return None
+                decision = answer
+            else:
+                decision = await self._decide_within(plans, weight + extra, seconds, began)
             if not decision.degraded:
                 prefetch.round_trip = time.monotonic() - asked
         except BaseException:
@@ -617,20 +623,42 @@ class Limiter:
         """Takes the next units on ``plans`` before the live allowance runs out, as a call
         that needs none for itself (weight 0): no caller waits for it, and the calls that
         find the allowance empty meanwhile wait for these units (``Allowances.refill``)
-        rather than each asking the store. Not a decision: nothing is counted, and a
-        failure only means the next call asks the store itself."""
+        rather than each asking the store. Not a decision: nothing is counted, the breaker
+        neither records it nor lets it probe, and a failure only means the next call asks
+        the store itself. Under the rules in force when it starts: plans whose limits
+        changed since the allowance was taken take nothing (no call could use them)."""
         prefetch = self._prefetch
         if prefetch is None or self._closed:
             return
-        extra = prefetch.extra(plans, 0)
+        try:
+            current = self._rules.plans([plan.identifier for plan in plans])
+        except InvalidRequestError:  # (its kind is gone from the rules)
+            return
+        if not same_limits(current, plans) or not eligible(current, self._store.single_slot):
+            return
+        extra = prefetch.extra(current, 0)
         if not extra:
             return
         try:
-            await self._taking_ahead(
-                prefetch, plans, 0, extra, self._failure.deadline_seconds, time.monotonic()
-            )
-        except Exception as exc:  # (on_error="raise", a closed limiter, ...): nobody to tell
+            await self._taking_ahead(prefetch, current, 0, extra, None, 0.0, background=True)
+        except Exception as exc:  # (nobody to tell: the next call meets it, if it lasts)
             logger.debug("aiolimit: taking units ahead in the background failed: %r", exc)
+
+    async def _quietly(self, plans: list[IdentifierPlan], weight: int) -> Decision | None:
+        """An acquire for background work (a refill ahead), under the decisions' deadline:
+        None when a breaker it needs is not closed, or the store failed. Unlike ``_decide``
+        it counts nothing and tells the breaker nothing: it is no caller's decision, and a
+        refill that failed must not make a caller's 503 (a call cut by the deadline is
+        undone as any)."""
+        if any(breaker.state != "closed" for breaker in self._breakers(plans)):
+            return None
+        self._check_usable()
+        try:
+            async with self._failure.deadline():
+                return await self._protocol.acquire(plans, weight, 0)
+        except BackendError as exc:
+            logger.debug("aiolimit: taking units ahead in the background failed: %r", exc)
+            return None
 
     async def _refilled(
         self, prefetch: Allowances, plans: list[IdentifierPlan], seconds: float | None,
@@ -1127,6 +1155,10 @@ class Limiter:
         finally:
             if refusals is not None:
                 refusals.forget(plan.identifier for plan in plans)
+            if self._prefetch is not None:
+                # Again once the delete is over (or gave up): a call that took units ahead
+                # after the first drop may have run before the delete, which wiped them.
+                self._prefetch.drop({plan.identifier for plan in plans})
 
     def _every_key(self, plan: IdentifierPlan) -> list[str]:
         """The plan's keys, and those the identifier has under the limiter's own rules (the

@@ -198,10 +198,10 @@ class Allowances:
         if entry is None or entry.left < weight or entry.turn is None:
             return None
         held = entry.plans
-        if len(plans) == 1 and len(held) == 1:  # (``_same_limits`` of one plan, written out)
+        if len(plans) == 1 and len(held) == 1:  # (``same_limits`` of one plan, written out)
             if plans[0].limits is not held[0].limits and plans[0].limits != held[0].limits:
                 return None
-        elif not _same_limits(plans, held):
+        elif not same_limits(plans, held):
             return None
         now = self._clock.monotonic()
         if now >= entry.until:
@@ -277,7 +277,7 @@ class Allowances:
         entry.remaining = decision.remaining
         if not decision.allowed:
             return
-        if now < entry.until and _same_limits(plans, entry.plans):
+        if now < entry.until and same_limits(plans, entry.plans):
             entry.used += weight
             return
         life = self._life(decision.details, sent)
@@ -310,7 +310,7 @@ class Allowances:
             return decision
         if not left:
             return decision
-        if not _same_limits(plans, entry.plans):
+        if not same_limits(plans, entry.plans):
             return decision
         details = decision.details
         if not details or any(
@@ -500,7 +500,7 @@ class Allowances:
         self._tuples = {key for key in kept if type(key) is tuple}
 
 
-def _same_limits(plans: Sequence[IdentifierPlan], held: Sequence[IdentifierPlan]) -> bool:
+def same_limits(plans: Sequence[IdentifierPlan], held: Sequence[IdentifierPlan]) -> bool:
     """Whether ``plans`` (made anew for each call) judge by the limits ``held`` did."""
     if len(plans) != len(held):
         return False
