@@ -135,9 +135,23 @@ def test_the_cache_is_bounded_and_refilled_correctly() -> None:
         decision = Decision.from_pairs((pair,))
         assert rate_limit_headers(decision) == reference(decision)
         assert len(web._DESCRIBED) <= web._DESCRIBED_MAX
+        assert len(web._BY_VALUE) <= web._DESCRIBED_MAX
     # Equal by value, different types: described by their own fields each.
     for one, other in ((Limit(5, per=60), FixedWindow(5, per=60)),
                        (MinInterval(2), TokenBucket(1, per=2, burst=1))):  # fmt: skip
         for limit in (one, other, one):
             decision = Decision.from_pairs((PairDecision("ip:1", limit, False, 0, 3.0, 9.0),))
             assert rate_limit_headers(decision) == reference(decision)
+
+
+def test_equal_limits_that_are_different_objects_share_one_description() -> None:
+    """An override applied per identifier makes limit objects of its own: each is described
+    once by its value (not once per object), and a limit object that is gone cannot lend its
+    description to a later one with its id."""
+    web._DESCRIBED.clear()
+    web._BY_VALUE.clear()
+    for n in range(3000):
+        limit = Limit(7 + n % 2, per=60)  # (a fresh object each time; ids get reused)
+        decision = Decision.from_pairs((PairDecision(f"ip:{n}", limit, True, 3, 0.0, 9.0),))
+        assert rate_limit_headers(decision) == reference(decision)
+    assert len(web._BY_VALUE) == 2

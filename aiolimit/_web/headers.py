@@ -77,6 +77,9 @@ class _Item:
 #: the limit object's identity (hashing a limit hashes all its fields), and holding the limit
 #: itself, so that an id reused by a later object is never taken for it.
 _DESCRIBED: dict[tuple[str, int], tuple[BaseLimit, tuple[str, int, int, str] | None]] = {}
+#: The same keyed by the limit's value: equal limits that are different objects (an override
+#: applied per identifier makes its own) share one description, as they share one text.
+_BY_VALUE: dict[tuple[str, BaseLimit], tuple[str, int, int, str] | None] = {}
 _DESCRIBED_MAX = 1024
 
 
@@ -86,12 +89,30 @@ def _described(identifier: str, limit: BaseLimit) -> tuple[str, int, int, str] |
     known = _DESCRIBED.get(key)
     if known is not None and known[0] is limit:
         return known[1]
+    by_value = (kind, limit)
+    hashable = True
+    try:
+        return _remember(key, limit, _BY_VALUE[by_value])
+    except KeyError:
+        pass
+    except TypeError:  # (a limit that cannot be hashed: described each time)
+        hashable = False
     described = quota_and_window(limit)
     found = None
     if described is not None:
         quota, window = described
         name = policy_name(identifier, quota, window)
         found = (name, quota, window, f'"{name}";q={quota};w={window}')
+    if hashable:
+        if len(_BY_VALUE) >= _DESCRIBED_MAX:
+            _BY_VALUE.clear()
+        _BY_VALUE[by_value] = found
+    return _remember(key, limit, found)
+
+
+def _remember(
+    key: tuple[str, int], limit: BaseLimit, found: tuple[str, int, int, str] | None
+) -> tuple[str, int, int, str] | None:
     if len(_DESCRIBED) >= _DESCRIBED_MAX:
         _DESCRIBED.clear()
     _DESCRIBED[key] = (limit, found)
