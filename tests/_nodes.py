@@ -37,6 +37,13 @@ async def settle(limiter: Limiter, within: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def held(limiter: Limiter, ident: str) -> int:
+    """The units a prefetching limiter holds on ``ident`` now (its live allowance's)."""
+    assert limiter._prefetch is not None
+    entry = limiter._prefetch._by_ids.get(ident)
+    return 0 if entry is None or entry.turn is None else entry.left
+
+
 def store_of(limiter: Limiter) -> Any:
     """The limiter's store (for its links and statistics)."""
     return limiter._protocol._store

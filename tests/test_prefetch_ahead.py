@@ -11,17 +11,10 @@ import logging
 import pytest
 
 from aiolimit import BackendError, Limit, Limiter
-from tests._nodes import settle, stored
+from tests._nodes import held, settle, stored
 from tests._proxy import Proxy
 
 pytestmark = pytest.mark.asyncio
-
-
-def held(limiter: Limiter, ident: str) -> int:
-    """The units this limiter holds on ``ident`` now (its live allowance's)."""
-    assert limiter._prefetch is not None
-    entry = limiter._prefetch._by_ids.get(ident)
-    return 0 if entry is None or entry.turn is None else entry.left
 
 
 async def test_a_busy_identifier_gets_its_next_units_before_it_runs_out(

@@ -15,16 +15,10 @@ import time
 import pytest
 
 from aiolimit import Limit, Limiter
-from tests._nodes import settle, stored
+from tests._nodes import held, settle, stored
 from tests._proxy import Proxy
 
 pytestmark = pytest.mark.asyncio
-
-
-def held(limiter: Limiter, ident: str) -> int:
-    assert limiter._prefetch is not None
-    entry = limiter._prefetch._by_ids.get(ident)
-    return 0 if entry is None or entry.turn is None else entry.left
 
 
 async def _local_until_a_refill_is_sent(limiter: Limiter, ident: str) -> int:
@@ -37,6 +31,17 @@ async def _local_until_a_refill_is_sent(limiter: Limiter, ident: str) -> int:
         admitted += 1
     # (every one of them from the allowance: no decision went to the store)
     assert limiter.statistics().prefetched - before == admitted
+    return admitted
+
+
+async def alternately(limiter: Limiter, other: Limiter, ident: str, rounds: int) -> int:
+    """``rounds`` calls on ``ident`` through each limiter in turn: how many were admitted
+    (``limiter``'s background work settled after)."""
+    admitted = 0
+    for _ in range(rounds):
+        admitted += (await limiter.try_acquire(ident)).allowed
+        admitted += (await other.try_acquire(ident)).allowed
+    await settle(limiter)
     return admitted
 
 
@@ -219,11 +224,7 @@ async def test_units_taken_ahead_after_a_reset_began_but_before_its_delete_ran_a
         await resetting
         standalone_proxy.on_request = None
         kept = held(limiter, "ip:x")
-        after = 0
-        for _ in range(40):
-            after += (await limiter.try_acquire("ip:x")).allowed
-            after += (await other.try_acquire("ip:x")).allowed
-        await settle(limiter)
+        after = await alternately(limiter, other, "ip:x", 40)
         assert (after, kept) == (30, 0), (after, kept)
 
 
@@ -257,11 +258,7 @@ async def test_a_refill_ahead_sent_after_the_rules_changed_takes_nothing_under_t
         limiter.set_rules(new)
         await settle(limiter)  # (the refill ran: under the old limits)
         taken_under_old_rules = held(limiter, "ip:c")
-        after = 0
-        for _ in range(30):
-            after += (await limiter.try_acquire("ip:c")).allowed
-            after += (await other.try_acquire("ip:c")).allowed
-        await settle(limiter)
+        after = await alternately(limiter, other, "ip:c", 30)
         assert (after, taken_under_old_rules) == (40 - admitted, 0), (
             after,
             taken_under_old_rules,
