@@ -57,6 +57,19 @@ async def stored(url: str, prefix: str, ident: str, limits: list[Limit]) -> int:
         return limits[0].amount - decision.details[0].remaining
 
 
+async def before_bucket_edge(node: cluster.Node, width: float, lead: float = 0.1) -> None:
+    """Sleeps until ``lead`` seconds before ``node``'s clock (its TIME, which a limiter's
+    scripts judge by, or an authority's) reaches the next multiple of ``width`` seconds: where
+    a window's bucket of that width ends (windows are aligned to the epoch). A test that
+    starts here crosses a bucket edge every run rather than once in a while: with a fixed
+    window (``precision`` = ``per``) that edge empties the window, which a test of a few
+    seconds under ``per=3600`` otherwise meets once a day at random (on the hour)."""
+    seconds, micros = node.execute("TIME")
+    now = int(seconds) + int(micros) / 1_000_000
+    wait = (now // width + 1) * width - lead - now
+    await asyncio.sleep(wait if wait > 0 else wait + width)
+
+
 def kill_clients_repeatedly(
     nodes: list[cluster.Node], stop: threading.Event, rounds: int, every: float
 ) -> None:

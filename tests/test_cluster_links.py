@@ -20,7 +20,14 @@ import pytest
 
 import cluster
 from aiolimit import BackendError, Limit, Limiter
-from tests._nodes import kill_clients_repeatedly, on_node, settle, store_of, stored
+from tests._nodes import (
+    before_bucket_edge,
+    kill_clients_repeatedly,
+    on_node,
+    settle,
+    store_of,
+    stored,
+)
 
 pytestmark = [pytest.mark.cluster]
 
@@ -176,8 +183,13 @@ async def test_aclose_waits_for_pipelines_on_links(calm: cluster.Cluster, prefix
     call is answered with its real outcome, none is cut short, and the charges are stored."""
     node = calm.primaries()[0]
     ident = on_node(calm, prefix, "c", node)
-    limits = [Limit(1000, per=60)]
+    width = 60.0  # (the limit's buckets, one per window: a fixed window)
+    limits = [Limit(1000, per=60, precision=width)]
     limiter = Limiter(calm.url, limits, prefix=prefix, deadline=2.0)
+    await limiter.peek(ident)  # (connections and library ready; charges nothing)
+    # The 2 charges below land before an edge of the limit's buckets and the 10 after it (the
+    # node sleeps across it): every run, not once a minute at random.
+    await before_bucket_edge(node, width, lead=0.1)
     await limiter.try_acquire(ident)
     await limiter.try_acquire(ident)
     assert f"127.0.0.1:{node.port}" in store_of(limiter)._links
