@@ -183,7 +183,9 @@ async def test_aclose_waits_for_pipelines_on_links(calm: cluster.Cluster, prefix
     call is answered with its real outcome, none is cut short, and the charges are stored."""
     node = calm.primaries()[0]
     ident = on_node(calm, prefix, "c", node)
-    width = 60.0  # (the limit's buckets, one per window: a fixed window)
+    # A sliding window of 1 s buckets: a charge stays counted 59 s at least, whatever edge
+    # the test crosses (a fixed window, precision=per, empties on the minute).
+    width = 1.0
     limits = [Limit(1000, per=60, precision=width)]
     limiter = Limiter(calm.url, limits, prefix=prefix, deadline=2.0)
     await limiter.peek(ident)  # (connections and library ready; charges nothing)
