@@ -16,7 +16,7 @@ import pytest
 
 import cluster
 from aiolimit import AuthorityClock, Limit, Limiter
-from tests._nodes import on_node, settle
+from tests._nodes import before_bucket_edge, on_node, settle
 
 pytestmark = [pytest.mark.cluster]
 
@@ -73,8 +73,13 @@ async def test_racing_acquirers_judged_by_an_authority_across_a_freeze(
     """Three limiters with a TIME authority each (exact, or a cached offset) race 150 tasks
     on [a, b], [a] and [b] under a limit of 5, while b's primary (or the authority, which
     serves neither) is frozen for 0.6 s (deadline 0.3 s, on_error="open"). Admitted weight
-    per identifier is never above 5, and once the undos settle stored == admitted."""
-    limits = [Limit(5, per=3600)]
+    per identifier is never above 5, and once the undos settle stored == admitted.
+
+    The limit is a sliding window of 1 s buckets, and the race starts just before a bucket
+    edge (by the authority's TIME), so every run crosses one during the freeze: a charge
+    stays counted for 3599 s at least. As a fixed window (precision=per) it emptied on the
+    hour, and a run crossing the hour admitted a 5 more times: {a: 10, b: 5}."""
+    limits = [Limit(5, per=3600, precision=1)]
     authority = calm.node_for_slot(0)
     others = [node for node in calm.primaries() if node.port != authority.port]
     a, b = on_node(calm, prefix, "a", others[0]), on_node(calm, prefix, "b", others[1])
@@ -102,6 +107,7 @@ async def test_racing_acquirers_judged_by_an_authority_across_a_freeze(
 
     try:
         await asyncio.gather(*(limiter.peek([a, b]) for limiter in limiters))
+        await before_bucket_edge(authority, 1.0, lead=0.15)
         await asyncio.wait_for(asyncio.gather(freeze(), *(one(n) for n in range(150))), 20)
         for limiter in limiters:
             await settle(limiter)
