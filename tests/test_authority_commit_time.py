@@ -10,6 +10,7 @@ that much early, and the identifier admits again too soon.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -76,7 +77,7 @@ async def test_racing_acquirers_judged_by_an_authority_across_a_freeze(
     per identifier is never above 5, and once the undos settle stored == admitted.
 
     The limit is a sliding window of 1 s buckets, and the race starts just before a bucket
-    edge (by the authority's TIME), so every run crosses one during the freeze: a charge
+    edge (by the authority's TIME), so every run crosses one as it races: a charge
     stays counted for 3599 s at least. As a fixed window (precision=per) it emptied on the
     hour, and a run crossing the hour admitted a 5 more times: {a: 10, b: 5}."""
     limits = [Limit(5, per=3600, precision=1)]
@@ -90,6 +91,7 @@ async def test_racing_acquirers_judged_by_an_authority_across_a_freeze(
         for clock in clocks
     ]
     counts = {a: 0, b: 0}
+    both = asyncio.Event()  # (each identifier admitted once)
 
     async def one(n: int) -> None:
         await asyncio.sleep(0.004 * n)
@@ -98,9 +100,15 @@ async def test_racing_acquirers_judged_by_an_authority_across_a_freeze(
         if decision.allowed and not decision.degraded:
             for ident in ids:
                 counts[ident] += 1
+            if counts[a] and counts[b]:
+                both.set()
 
     async def freeze() -> None:
         await asyncio.sleep(0.05)
+        # Under load the first decisions may not be made by then: the freeze waits for an
+        # admission of each identifier (2 s at most), so that the race before it is not empty.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(both.wait(), 2.0)
         stopped.pause()
         await asyncio.sleep(0.6)
         stopped.resume()
