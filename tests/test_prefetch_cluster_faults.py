@@ -45,10 +45,11 @@ async def test_a_frozen_node_under_prefetching_limiters_stays_exact(
     try:
         for limiter in limiters:  # (warm: the slot map, the links, a first allowance)
             for _ in range(3):
-                await limiter.try_acquire(b)
-                await limiter.try_acquire(a)
-        admitted[a] += 3 * 3
-        admitted[b] += 3 * 3
+                # (counted as told: on a loaded machine a first call may miss its 0.2 s
+                # deadline, and on_error="closed" refuses it, charging nothing)
+                for ident in (b, a):
+                    if (await limiter.try_acquire(ident)).allowed:
+                        admitted[ident] += 1
         workers = [
             asyncio.ensure_future(worker(limiter, ident))
             for limiter in limiters
