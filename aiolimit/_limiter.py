@@ -8,6 +8,7 @@ import functools
 import inspect
 import logging
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from aiolimit._failure import (
 from aiolimit._follow import RulesFollower, publish
 from aiolimit._keys import check_prefix, identifier_kind
 from aiolimit._limits import BaseLimit
-from aiolimit._prefetch import MAX_PREFETCH, Allowances, eligible, same_limits
+from aiolimit._prefetch import MAX_PREFETCH, Admitted, Allowances, eligible, same_limits
 from aiolimit._protocol import HELD_TURNS, UNDO_BUDGET, KeepOpen, Protocol, Turn
 from aiolimit._refusals import DEFAULT_SIZE, RefusalCache
 from aiolimit._rules import IdentifierPlan, LimitsArg, Rules, check_weight, identifiers_of
@@ -315,6 +316,11 @@ class Limiter:
         if self._closed:
             raise UsageError(f"{self!r} is closed (aclose() was called); open a new Limiter")
         if self._store.loop_bound:
+            if getattr(self._loop, "_thread_id", None) == threading.get_ident():
+                # This limiter's loop runs in this thread, so it is the loop running here (one
+                # loop runs in a thread at a time): no need to ask asyncio, which costs a
+                # getpid() call per call.
+                return
             loop = asyncio.get_running_loop()
             if self._loop is None:
                 self._loop = loop
@@ -392,8 +398,18 @@ class Limiter:
 
     def _take_prefetched(self, ids: Identifiers, weight: int) -> Decision | None:
         """``try_acquire`` answered from this process's prefetched units, with nothing
-        awaited; None when the call must be made (prefetch off, no live allowance for these
-        identifiers, rules from Redis, metrics to record). ``weight`` is a valid weight.
+        awaited; None when the call must be made (see ``_admit_prefetched``)."""
+        admitted = self._admit_prefetched(ids, weight)
+        if admitted is None:
+            return None
+        assert self._prefetch is not None
+        return self._prefetch.decision_of(admitted)
+
+    def _admit_prefetched(self, ids: Identifiers, weight: int) -> Admitted | None:
+        """An admission from this process's prefetched units, with nothing awaited, its
+        ``Decision`` left unmade (``Allowances.decision_of`` makes it); None when the call
+        must be made (prefetch off, no live allowance for these identifiers, rules from
+        Redis, metrics to record). ``weight`` is a valid weight.
 
         The web layers' path for an admission made here: the same take as ``try_acquire``'s,
         without its periodic yield (a request never loops without the server's reads
@@ -407,12 +423,12 @@ class Limiter:
         ):
             return None
         self._check_usable()  # (closed, or another event loop: raises as try_acquire does)
-        decision = prefetch.take(self._rules.plans(ids), weight)
-        if decision is not None:
+        admitted = prefetch.admit(self._rules.plans(ids), weight)
+        if admitted is not None:
             counts = self._counts
             counts["decisions"] += 1
             counts["allowed"] += 1
-        return decision
+        return admitted
 
     async def _follow(self, ids: Identifiers, *, strict: bool = False) -> BackendError | None:
         """Rules from Redis: read before the first decision; overrides looked up on demand.

@@ -46,7 +46,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from aiolimit._decision import Charge, Decision, PairDecision, made_decision
 from aiolimit._protocol import Turn
@@ -77,6 +77,20 @@ LOW = 4
 MAX_HINTS = 20_000
 
 _new_pair = tuple.__new__
+
+
+class Admitted(NamedTuple):
+    """An admission ``Allowances.admit`` made, as it stood: its ``Decision`` is made from this
+    when asked for (``Allowances.decision_of``)."""
+
+    details: tuple[PairDecision, ...]  # the store's pairs for the allowance
+    plans: Sequence[IdentifierPlan]
+    weight: int
+    left: int  # the units the allowance held after this admission
+    elapsed: float  # seconds from the store's call to this admission
+
+
+_new_admitted = tuple.__new__
 
 
 def _bucket_left(pair: PairDecision) -> float | None:
@@ -194,6 +208,13 @@ class Allowances:
 
     def take(self, plans: Sequence[IdentifierPlan], weight: int) -> Decision | None:
         """An admission from a live allowance on these plans, or None (ask the store)."""
+        admitted = self.admit(plans, weight)
+        return None if admitted is None else self.decision_of(admitted)
+
+    def admit(self, plans: Sequence[IdentifierPlan], weight: int) -> Admitted | None:
+        """``take``, with the admission's ``Decision`` left unmade: what it will say, as it
+        stands now (``decision_of`` makes it, the same whenever it is asked for). A web layer
+        that only needs the ``RateLimit`` fields of most admissions never pays for one."""
         entry = self._by_ids.get(plans[0].identifier if len(plans) == 1 else self.key(plans))
         if entry is None or entry.left < weight or entry.turn is None:
             return None
@@ -213,7 +234,29 @@ class Allowances:
         if entry.left * LOW < entry.size and not entry.ahead and self.low is not None:
             entry.ahead = True
             self.low(entry.plans)
-        return self._decision(entry, weight, now)
+        # (Read now: a refill of this allowance replaces them.)
+        return _new_admitted(Admitted, (entry.details, entry.plans, weight, entry.left,
+                                        now - entry.sent))  # fmt: skip
+
+    def decision_of(self, admitted: Admitted) -> Decision:
+        """The ``Decision`` of an admission ``admit`` made: each pair's remaining as the store
+        said plus the units the allowance held after it, its reset as the store said less the
+        time since the store was asked."""
+        details, plans, weight, left, elapsed = admitted
+        if len(details) != 1:
+            return self._rebuilt_pairs(details, plans, weight, left, elapsed)
+        # One pair (the commonest): as ``_rebuilt_pairs`` makes it, with no loop.
+        pair = details[0]
+        reset = pair.reset_after - elapsed
+        if reset < 0.0:
+            reset = 0.0
+        remaining = pair.remaining + left
+        identifier, limit = pair.identifier, pair.limit
+        return made_decision(
+            True, remaining, 0.0, reset, identifier, limit,
+            (_new_pair(PairDecision, (identifier, limit, True, remaining, 0.0, reset)),),
+            Charge(self._protocol, plans, weight),
+        )  # fmt: skip
 
     def extra(self, plans: Sequence[IdentifierPlan], weight: int) -> int:
         """How many units to take ahead on a call the store must decide (0: none)."""
@@ -365,7 +408,7 @@ class Allowances:
             if type(key) is tuple:
                 self._tuples.add(key)
             return self._rebuilt_pairs(
-                decision.details, plans, weight, 0, self._clock.monotonic(), sent
+                decision.details, plans, weight, 0, self._clock.monotonic() - sent
             )
         entry.until = life
         self._by_ids[key] = entry
@@ -374,7 +417,10 @@ class Allowances:
         self.taken += 1
         delay = max(life - self._clock.monotonic(), 0.0)
         entry.timer = asyncio.get_running_loop().call_later(delay, self._expire, key, entry)
-        return self._decision(entry, weight, self._clock.monotonic())
+        return self.decision_of(
+            _new_admitted(Admitted, (entry.details, plans, weight, extra,
+                                     self._clock.monotonic() - sent))
+        )  # fmt: skip
 
     def _life(self, details: Sequence[PairDecision], sent: float) -> float | None:
         """The monotonic time an allowance charged with these pairs ends at, or None."""
@@ -392,30 +438,12 @@ class Allowances:
         error = getattr(self._clock, "error_bound", 0.0)
         return sent + min(shortest - MARGIN - shortest / 1000 - 2 * error, MAX_LIFE)
 
-    def _decision(self, entry: Allowance, weight: int, now: float) -> Decision:
-        details = entry.details
-        if len(details) != 1:
-            return self._rebuilt_pairs(details, entry.plans, weight, entry.left, now, entry.sent)
-        # One pair (the commonest): as ``_rebuilt_pairs`` makes it, with no loop.
-        pair = details[0]
-        reset = pair.reset_after - (now - entry.sent)
-        if reset < 0.0:
-            reset = 0.0
-        remaining = pair.remaining + entry.left
-        identifier, limit = pair.identifier, pair.limit
-        return made_decision(
-            True, remaining, 0.0, reset, identifier, limit,
-            (_new_pair(PairDecision, (identifier, limit, True, remaining, 0.0, reset)),),
-            Charge(self._protocol, entry.plans, weight),
-        )  # fmt: skip
-
     def _rebuilt_pairs(
         self, details: Sequence[PairDecision], plans: Sequence[IdentifierPlan], weight: int,
-        left: int, now: float, sent: float,
+        left: int, elapsed: float,
     ) -> Decision:  # fmt: skip
         """An admission of ``weight``: each pair's remaining as the store said plus the units
-        still held here, its reset as the store said less the time since."""
-        elapsed = now - sent
+        still held here, its reset as the store said less the time since (``elapsed``)."""
         pairs: list[PairDecision] = []
         remaining = -1
         reset = 0.0

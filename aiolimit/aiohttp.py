@@ -227,7 +227,7 @@ async def _judge_first(
 
 def _holds_leases(verdict: Verdict) -> bool:
     return any(
-        charge.decision.lease is not None and not charge.decision.lease.released
+        charge.holds_lease and not charge.decision.lease.released  # type: ignore[union-attr]
         for charge in verdict.charges
     )
 

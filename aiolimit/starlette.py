@@ -52,7 +52,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from aiolimit._decision import Decision
 from aiolimit._limiter import Limiter
 from aiolimit._limits import BaseLimit
-from aiolimit._web.client_ip import DEFAULT_IPV6_PREFIX, ClientIPResolver, ForwardedHeader
+from aiolimit._web.client_ip import (
+    DEFAULT_IPV6_PREFIX,
+    PEER_CACHE_SIZE,
+    ClientIPResolver,
+    ForwardedHeader,
+)
 from aiolimit._web.flow import (
     EXEMPT_MARK,
     Layer,
@@ -144,7 +149,10 @@ def _inclusion(scope: Scope) -> Any:
 
 
 def _encode(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(_field_name(name), value.encode("latin-1")) for name, value in headers]
+    known = _FIELD_NAMES
+    return [
+        (known.get(name) or _field_name(name), value.encode("latin-1")) for name, value in headers
+    ]
 
 
 def _field_name(name: str) -> bytes:
@@ -162,6 +170,7 @@ _FIELD_NAMES: dict[str, bytes] = {}
 
 #: Where the first layer to judge a request leaves its ``RequestLimits`` in the ASGI scope.
 SCOPE_KEY = "aiolimit.request"
+_UNKNOWN = object()  # (a peer not seen yet: ``RateLimitMiddleware._ids_of``)
 
 E = TypeVar("E")
 
@@ -401,6 +410,7 @@ class RateLimitMiddleware:
             and all(func is CLIENT_IP for func in base.keys.values())
         ):
             self._simple = tuple(f"{kind}:" for kind in base.keys)
+        self._ids_by_peer: dict[str | None, tuple[str, ...] | None] = {}
 
     def _client_ip(self, request: Request) -> str | None:
         return self._client_of(request.scope)
@@ -561,16 +571,32 @@ class RateLimitMiddleware:
         if status >= 500 and state.verdict is not None and not client_gone:
             await state.verdict.give_back(on_error=True)
 
-    def _ids_of(self, scope: Scope) -> list[str] | None:
+    def _ids_of(self, scope: Scope) -> tuple[str, ...] | None:
         """The identifiers of a request under the middleware's one rule when it is keyed by
         the client alone (``_simple``), as ``Rule.identifiers`` makes them; None when no key
-        applies (the request is then judged as any other)."""
+        applies (the request is then judged as any other). Kept per peer address (bounded)
+        when no forwarded header is read: they depend on nothing else then."""
         kinds = self._simple
         assert kinds is not None
-        value = key_value(self._client_of(scope))
+        if self._resolver.reads_forwarded:
+            return self._ids_for(self._client_of(scope))
+        client = scope.get("client")
+        peer = client[0] if client else None
+        known = self._ids_by_peer.get(peer, _UNKNOWN)
+        if known is _UNKNOWN:
+            known = self._ids_for(self._client_of(scope))
+            if len(self._ids_by_peer) >= PEER_CACHE_SIZE:
+                self._ids_by_peer.clear()
+            self._ids_by_peer[peer] = known
+        return known  # type: ignore[return-value]
+
+    def _ids_for(self, client: str | None) -> tuple[str, ...] | None:
+        kinds = self._simple
+        assert kinds is not None
+        value = key_value(client)
         if value is None:
             return None
-        return [kind + value for kind in kinds]
+        return tuple([kind + value for kind in kinds])
 
     async def _join(
         self,

@@ -13,16 +13,18 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiolimit._algorithms import Concurrency
 from aiolimit._decision import Decision
 from aiolimit._errors import BackendError, ConfigurationError, LeaseExpired, WeightNeverFits
 from aiolimit._limiter import Limiter
+from aiolimit._prefetch import Admitted
 from aiolimit._rules import check_limits
 from aiolimit._validation import MAX_AMOUNT, check_int
 from aiolimit._web.headers import (
+    admitted_fields,
     denied_body,
     never_fits_body,
     problem_body,
@@ -283,6 +285,13 @@ def _log_refund(task: asyncio.Task[None]) -> None:
         logger.error("aiolimit: giving a request's charge back failed: %r", error)
 
 
+class _OfCharge:
+    """A verdict's decision is its one charge's (``Verdict``)."""
+
+
+OF_CHARGE = _OfCharge()
+
+
 # -- one request ----------------------------------------------------------------------------
 
 
@@ -359,21 +368,53 @@ class Layer:
     own_client: bool = True
 
 
-@dataclass(slots=True)
 class Charge:
     """One limiter's decision within a request's verdict.
 
     ``refund_ids``: the identifiers of the layers that asked for ``refund_on_error`` (given
     back when the request fails); ``given_back``: refunded already (a charge is shared by
     every layer's view of the request, and given back once).
+
+    An admission made from prefetched units (``admitted``) makes its ``Decision`` only when
+    something asks for it (a dependency, a refund): most requests never do, and only send
+    the ``RateLimit`` fields, made from the admission itself. Such an admission never holds a
+    lease (``holds_lease``).
     """
 
-    limiter: Limiter
-    ids: list[str]
-    weight: int
-    decision: Decision
-    refund_ids: list[str] = field(default_factory=list)
-    given_back: bool = False
+    __slots__ = ("_admitted", "_decision", "given_back", "ids", "limiter", "refund_ids", "weight")
+
+    def __init__(
+        self,
+        limiter: Limiter,
+        ids: Sequence[str],
+        weight: int,
+        decision: Decision | None,
+        refund_ids: Sequence[str] = (),
+        *,
+        admitted: Admitted | None = None,
+    ) -> None:
+        self.limiter = limiter
+        self.ids = ids
+        self.weight = weight
+        self._decision = decision
+        self._admitted = admitted
+        self.refund_ids = refund_ids
+        self.given_back = False
+
+    @property
+    def decision(self) -> Decision:
+        decision = self._decision
+        if decision is None:
+            prefetch = self.limiter._prefetch
+            assert prefetch is not None and self._admitted is not None
+            decision = self._decision = prefetch.decision_of(self._admitted)
+        return decision
+
+    @property
+    def holds_lease(self) -> bool:
+        """Its admission holds ``Concurrency`` slots (released when the request is over)."""
+        decision = self._decision
+        return decision is not None and decision.lease is not None
 
     @property
     def refund(self) -> bool:
@@ -385,21 +426,42 @@ class Charge:
         return self.decision.allowed and not self.decision.degraded and not self.given_back
 
 
-@dataclass(slots=True)
 class Verdict:
     """What to do with one request: pass it with ``headers``, or answer ``status``/``body``.
 
     ``charges`` are the admitted decisions, one per limiter (those to give back on a refund);
-    ``decision`` is the deciding one: the refusal, or all admissions merged.
+    ``decision`` is the deciding one: the refusal, or all admissions merged (given as
+    ``OF_CHARGE``: the one charge's, made when asked for).
     """
 
-    charges: list[Charge]
-    decision: Decision | None
-    headers: list[tuple[str, str]]
-    status: int = 200
-    body: bytes = b""
-    renewing: asyncio.Task[None] | None = None  # keeps the leases while the request runs
-    renew_every: float = 0.0  # its interval, s
+    __slots__ = ("_decision", "body", "charges", "headers", "renew_every", "renewing", "status")
+
+    def __init__(
+        self,
+        charges: list[Charge],
+        decision: Decision | _OfCharge | None,
+        headers: list[tuple[str, str]],
+        status: int = 200,
+        body: bytes = b"",
+    ) -> None:
+        self.charges = charges
+        self._decision = decision
+        self.headers = headers
+        self.status = status
+        self.body = body
+        self.renewing: asyncio.Task[None] | None = None  # keeps the leases while it runs
+        self.renew_every = 0.0  # its interval, s
+
+    @property
+    def decision(self) -> Decision | None:
+        decision = self._decision
+        if isinstance(decision, _OfCharge):
+            return self.charges[0].decision
+        return decision
+
+    @decision.setter
+    def decision(self, decision: Decision | None) -> None:
+        self._decision = decision
 
     @property
     def refused(self) -> bool:
@@ -460,7 +522,7 @@ class Verdict:
         that does not answer costs one wait, not one each."""
         if self.renewing is None:
             for charge in self.charges:
-                if charge.decision.lease is not None:
+                if charge.holds_lease:
                     break
             else:
                 return []  # (the commonest: no lease anywhere, nothing to release)
@@ -476,7 +538,7 @@ class Verdict:
         request that outlives ``lease_ttl`` (a stream, a long download) still counts;
         ``release`` stops it. Nothing runs for a request that holds no lease."""
         for charge in self.charges:
-            if charge.decision.lease is not None:
+            if charge.holds_lease:
                 break
         else:
             return  # (the commonest: no lease anywhere)
@@ -634,13 +696,23 @@ async def _judge_one(layer: Layer, request: Any, *, legacy: bool) -> Verdict | N
 
 
 async def judge_ids(
-    limiter: Limiter, ids: list[str], weight: int, *, refund: bool, legacy: bool
+    limiter: Limiter, ids: Sequence[str], weight: int, *, refund: bool, legacy: bool
 ) -> Verdict:
     """One limiter's verdict on ``ids`` at ``weight`` (a valid weight): admitted from the
     units this process took ahead when it can (``Limiter(prefetch=)``: nothing awaited),
     else decided by ``try_acquire``."""
-    decision = limiter._take_prefetched(ids, weight)
-    if decision is None:
+    admitted = limiter._admit_prefetched(ids, weight)
+    if admitted is not None:
+        details = admitted[0]
+        if len(details) == 1 and not legacy:  # the commonest: its Decision is not made
+            fields = admitted_fields(details[0], admitted[3], admitted[4])
+            if fields is not None:
+                charge = Charge(limiter, ids, weight, None, ids if refund else (),
+                                admitted=admitted)  # fmt: skip
+                return Verdict([charge], OF_CHARGE, fields)
+        assert limiter._prefetch is not None
+        decision: Decision = limiter._prefetch.decision_of(admitted)
+    else:
         try:
             decision = await limiter.try_acquire(ids, weight)
         except WeightNeverFits as exc:
@@ -649,7 +721,7 @@ async def judge_ids(
         if not decision.allowed:
             return refusal(decision, legacy=legacy, limiter=limiter)
     return Verdict(
-        [Charge(limiter, ids, weight, decision, ids if refund else [])],
+        [Charge(limiter, ids, weight, decision, ids if refund else ())],
         decision,
         rate_limit_headers(shown(limiter, decision), legacy=legacy),
     )

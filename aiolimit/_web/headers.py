@@ -154,16 +154,11 @@ def rate_limit_headers(decision: Decision, *, legacy: bool = False) -> list[tupl
         pair = details[0]
         described = _described(pair.identifier, pair.limit)
         if described is not None:
-            remaining = pair.remaining
-            if remaining < 0:
-                remaining = 0
-            seconds = math.ceil((pair.reset_after if pair.allowed else pair.retry_after) - 1e-9)
-            if seconds < 0:
-                seconds = 0  # (as ``_effective_window``, written out: every response has it)
-            headers = [
-                ("RateLimit-Policy", described[3]),
-                ("RateLimit", f'"{described[0]}";r={remaining};t={seconds}'),
-            ]
+            headers = _one_pair(
+                described,
+                pair.remaining,
+                pair.reset_after if pair.allowed else pair.retry_after,
+            )
             if not decision.allowed:
                 headers.append(("Retry-After", str(retry_after_seconds(decision))))
             return headers
@@ -193,6 +188,44 @@ def rate_limit_headers(decision: Decision, *, legacy: bool = False) -> list[tupl
     if not decision.allowed:
         headers.append(("Retry-After", str(retry_after_seconds(decision))))
     return headers
+
+
+def admitted_fields(pair: PairDecision, left: int, elapsed: float) -> list[tuple[str, str]] | None:
+    """``rate_limit_headers`` of an admission made from prefetched units on one pair, made
+    from the numbers its ``Decision`` would be made from (``Allowances.decision_of``): the
+    store's ``pair``, the units the allowance held after it, the seconds since the store
+    was asked. None when the pair's limit cannot be described."""
+    global _LAST_ADMITTED
+    last = _LAST_ADMITTED
+    if last[0] is pair:  # (the pair of the same allowance as the last admission's)
+        described = last[1]
+    else:
+        described = _described(pair.identifier, pair.limit)
+        _LAST_ADMITTED = (pair, described)  # (one assignment: another thread sees both)
+    if described is None:
+        return None
+    return _one_pair(described, pair.remaining + left, pair.reset_after - elapsed)
+
+
+#: The pair ``admitted_fields`` described last, and its description: every admission from
+#: one allowance has the same pair (the store's), so a busy client's skip the lookup.
+_LAST_ADMITTED: tuple[PairDecision | None, tuple[str, int, int, str] | None] = (None, None)
+
+
+def _one_pair(
+    described: tuple[str, int, int, str], remaining: int, seconds: float
+) -> list[tuple[str, str]]:
+    """The two fields of one described pair: ``remaining`` and ``seconds`` (its reset when
+    admitted, its wait when refused) as ``_items`` and ``_effective_window`` give them."""
+    if remaining < 0:
+        remaining = 0
+    whole = math.ceil(seconds - 1e-9)
+    if whole < 0:
+        whole = 0  # (as ``_effective_window``, written out: every response has it)
+    return [
+        ("RateLimit-Policy", described[3]),
+        ("RateLimit", f'"{described[0]}";r={remaining};t={whole}'),
+    ]
 
 
 def _effective_window(pair: PairDecision) -> int:
