@@ -69,7 +69,8 @@ from aiolimit._web.flow import (
     _released,
     check_exempt,
     judge,
-    judge_ids,
+    judge_local,
+    judge_store,
     mark_exempt,
     route_rule,
 )
@@ -150,9 +151,10 @@ def _inclusion(scope: Scope) -> Any:
 
 def _encode(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
     known = _FIELD_NAMES
-    return [
-        (known.get(name) or _field_name(name), value.encode("latin-1")) for name, value in headers
-    ]
+    encoded = []
+    for name, value in headers:  # (a loop, not a comprehension: no frame of its own)
+        encoded.append((known.get(name) or _field_name(name), value.encode("latin-1")))
+    return encoded
 
 
 def _field_name(name: str) -> bytes:
@@ -397,6 +399,7 @@ class RateLimitMiddleware:
         self._refund = refund_on_error
         self._legacy = legacy_headers
         self._marked: dict[int, tuple[int, bool]] = {}
+        self._missed = self._marked.clear  # (a route index found stale: ``RequestLimits``)
         self._layers: dict[int, Layer] = {}  # per rule of the route table (they live as long)
         # A request judged with no Request made (``_ids_of``): under the middleware's one
         # rule, keyed by the client alone, at a fixed weight. The identifiers' kinds, with
@@ -486,9 +489,14 @@ class RateLimitMiddleware:
             simple = self._routes.base
             weight = simple.weight
             assert isinstance(weight, int)
-            verdict: Verdict | None = await judge_ids(
-                simple.limiter, ids, weight, refund=self._refund, legacy=self._legacy
+            limiter = simple.limiter
+            verdict: Verdict | None = judge_local(
+                limiter, ids, weight, refund=self._refund, legacy=self._legacy
             )
+            if verdict is None:  # (nothing taken ahead here: the store decides)
+                verdict = await judge_store(
+                    limiter, ids, weight, refund=self._refund, legacy=self._legacy
+                )
             if verdict is not None and verdict.refused:
                 await _send_problem(send, verdict)
                 return
@@ -520,7 +528,7 @@ class RateLimitMiddleware:
             if verdict is not None and verdict.refused:
                 await _send_problem(send, verdict)
                 return
-        state.missed = self._marked.clear
+        state.missed = self._missed
         state.verdict = verdict
         if verdict is not None:
             verdict.keep_leases()

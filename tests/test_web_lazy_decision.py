@@ -10,6 +10,7 @@ thread (``Limiter._check_usable``)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 
 import httpx
@@ -78,7 +79,7 @@ async def test_a_decision_made_late_says_what_it_said_when_admitted(
         # Each admission from one allowance (the same store's pairs) left one unit less.
         steps = [
             (a.remaining - b.remaining)
-            for (va, a), (vb, b) in zip(lazy, lazy[1:], strict=False)
+            for (va, a), (vb, b) in itertools.pairwise(lazy)
             if va.charges[0]._admitted[0] is vb.charges[0]._admitted[0]  # type: ignore[index]
         ]
         assert len(steps) > 250 and set(steps) == {1}, sorted(set(steps))

@@ -390,7 +390,6 @@ class Charge:
         weight: int,
         decision: Decision | None,
         refund_ids: Sequence[str] = (),
-        *,
         admitted: Admitted | None = None,
     ) -> None:
         self.limiter = limiter
@@ -699,27 +698,50 @@ async def judge_ids(
     limiter: Limiter, ids: Sequence[str], weight: int, *, refund: bool, legacy: bool
 ) -> Verdict:
     """One limiter's verdict on ``ids`` at ``weight`` (a valid weight): admitted from the
-    units this process took ahead when it can (``Limiter(prefetch=)``: nothing awaited),
-    else decided by ``try_acquire``."""
+    units this process took ahead when it can (``judge_local``: nothing awaited), else
+    decided by ``try_acquire``."""
+    verdict = judge_local(limiter, ids, weight, refund=refund, legacy=legacy)
+    if verdict is not None:
+        return verdict
+    return await judge_store(limiter, ids, weight, refund=refund, legacy=legacy)
+
+
+def judge_local(
+    limiter: Limiter, ids: Sequence[str], weight: int, *, refund: bool, legacy: bool
+) -> Verdict | None:
+    """``judge_ids`` admitting from the units this process took ahead (``Limiter(prefetch=)``),
+    with nothing awaited; None when the store must decide (``judge_store``)."""
     admitted = limiter._admit_prefetched(ids, weight)
-    if admitted is not None:
-        details = admitted[0]
-        if len(details) == 1 and not legacy:  # the commonest: its Decision is not made
-            fields = admitted_fields(details[0], admitted[3], admitted[4])
-            if fields is not None:
-                charge = Charge(limiter, ids, weight, None, ids if refund else (),
-                                admitted=admitted)  # fmt: skip
-                return Verdict([charge], OF_CHARGE, fields)
-        assert limiter._prefetch is not None
-        decision: Decision = limiter._prefetch.decision_of(admitted)
-    else:
-        try:
-            decision = await limiter.try_acquire(ids, weight)
-        except WeightNeverFits as exc:
-            status, body = never_fits_body(exc)
-            return Verdict([], None, [], status, body)
-        if not decision.allowed:
-            return refusal(decision, legacy=legacy, limiter=limiter)
+    if admitted is None:
+        return None
+    details = admitted[0]
+    if len(details) == 1 and not legacy:  # the commonest: its Decision is not made
+        fields = admitted_fields(details[0], admitted[3], admitted[4])
+        if fields is not None:
+            charge = Charge(limiter, ids, weight, None, ids if refund else (), admitted)
+            return Verdict([charge], OF_CHARGE, fields)
+    assert limiter._prefetch is not None
+    return _admitted(limiter, ids, weight, limiter._prefetch.decision_of(admitted), refund, legacy)
+
+
+async def judge_store(
+    limiter: Limiter, ids: Sequence[str], weight: int, *, refund: bool, legacy: bool
+) -> Verdict:
+    """``judge_ids`` when the store decides (``try_acquire``)."""
+    try:
+        decision = await limiter.try_acquire(ids, weight)
+    except WeightNeverFits as exc:
+        status, body = never_fits_body(exc)
+        return Verdict([], None, [], status, body)
+    if not decision.allowed:
+        return refusal(decision, legacy=legacy, limiter=limiter)
+    return _admitted(limiter, ids, weight, decision, refund, legacy)
+
+
+def _admitted(
+    limiter: Limiter, ids: Sequence[str], weight: int, decision: Decision, refund: bool,
+    legacy: bool,
+) -> Verdict:  # fmt: skip
     return Verdict(
         [Charge(limiter, ids, weight, decision, ids if refund else ())],
         decision,
