@@ -25,18 +25,32 @@ interleaved for ``rounds`` rounds; the table shows the median. Bounded: about
 
 ``--variants a,b,...`` runs some of them (``bare`` and, for the FastAPI ones, ``fastapi`` are
 added when missing: the shares are computed against them).
+
+The limiter's own code in situ (the second table; ``--no-own`` skips it). The CPU columns above
+count everything the server does more per request, the two header lines it writes included,
+and move by a few µs from run to run. So each prefetching row runs once more with its
+middleware's own parts timed inside the uvicorn process: ``time.perf_counter_ns`` is read as a
+request enters the middleware, and the clock stops while the app below it runs (except when
+that app calls the middleware's ``send``) and while the server's ``send`` and ``receive`` run.
+What is left is the wall time of aiolimit's code in the request (its middleware, the
+decision, the fields), in the cache state the server leaves it. A do-nothing middleware
+(``pass-through``) timed the same way gives the timing's own cost, subtracted. Units taken
+ahead in background tasks are not in it: the table gives the script calls per 1000 requests
+(Redis ``INFO commandstats``) for those.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import math
 import os
 import signal
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,12 +60,24 @@ VARIANTS = (
     "bare", "aiolimit", "aiolimit-prefetch", "aiolimit-3", "slowapi", "headers-only", "fastapi",
     "fastapi-aiolimit-prefetch",
 )  # fmt: skip
+SERVED = (*VARIANTS, "pass-through", "fastapi-pass-through")  # (the timed rows' calibration)
+#: The rows whose middleware is also timed in situ (``OWN``), and the do-nothing middleware
+#: timed the same way for each (the timing's own cost).
+OWN_ROWS = {
+    "aiolimit-prefetch": "pass-through",
+    "fastapi-aiolimit-prefetch": "fastapi-pass-through",
+}
+OWN = "+own"  # (a variant's name with this: its middleware timed in situ)
 HUGE = 1_000_000_000
-#: requests/s, p50 latency ms, non-200 responses, server process CPU µs per request (or NaN)
-Result = tuple[float, float, int, float]
+#: requests/s, p50 latency ms, non-200 responses, server process CPU µs per request (or NaN),
+#: Redis script calls per 1000 requests, and for a row timed in situ the median of its middleware's
+#: own µs per request (else NaN)
+Result = tuple[float, float, int, float, float, float]
 
 
 def build_app(variant: str, redis_url: str) -> object:
+    if variant.endswith(OWN):
+        return _timed(build_app(variant.removesuffix(OWN), redis_url))
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import PlainTextResponse
@@ -69,6 +95,9 @@ def build_app(variant: str, redis_url: str) -> object:
         variant = variant.removeprefix("fastapi").removeprefix("-") or "bare"
     if variant == "headers-only":
         return _with_fields(app)
+    if variant == "pass-through":
+        app.add_middleware(PassThrough)
+        return app
     if variant.startswith("aiolimit"):
         from aiolimit import Limit, Limiter
         from aiolimit.starlette import CLIENT_IP, RateLimitMiddleware, header_key, path_key
@@ -127,6 +156,95 @@ def _with_fields(app: Any) -> Any:
     return fields_only
 
 
+class PassThrough:
+    """A pure ASGI middleware that does nothing (the timing's cost in the in-situ table)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+#: (perf_counter_ns at a request's start, ns of the middleware's own code in it), per request.
+_SAMPLES: list[tuple[int, int]] = []
+
+
+def _timed(app: Any) -> Any:
+    """``app`` (a Starlette or FastAPI app) with its first ``RateLimitMiddleware`` (or
+    ``PassThrough``) timed in situ: see the module's doc. The samples are written to the file
+    named by ``WEB_BENCH_OWN`` when the server exits."""
+    clock = time.perf_counter_ns
+    app.middleware_stack = app.build_middleware_stack()
+    parent = app.middleware_stack
+    while type(parent.app).__name__ not in ("RateLimitMiddleware", "PassThrough"):
+        parent = parent.app
+    middleware = parent.app
+    below = middleware.app
+
+    async def entering(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await middleware(scope, receive, send)
+            return
+        spent = 0
+        began = start = clock()
+
+        def pause() -> None:
+            nonlocal spent
+            spent += clock() - start
+
+        def resume() -> None:
+            nonlocal start
+            start = clock()
+
+        async def server_send(message: Any) -> None:
+            pause()
+            await send(message)
+            resume()
+
+        async def server_receive() -> Any:
+            pause()
+            message = await receive()
+            resume()
+            return message
+
+        scope["web_bench.timing"] = (pause, resume)
+        await middleware(scope, server_receive, server_send)
+        pause()
+        _SAMPLES.append((began, spent))
+
+    async def app_below(scope: Any, receive: Any, send: Any) -> None:
+        pause, resume = scope["web_bench.timing"]
+
+        async def middleware_send(message: Any) -> None:
+            resume()
+            await send(message)
+            pause()
+
+        async def middleware_receive() -> Any:
+            resume()
+            message = await receive()
+            pause()
+            return message
+
+        pause()
+        try:
+            await below(scope, middleware_receive, middleware_send)
+        finally:
+            resume()
+
+    def written() -> None:
+        path = os.environ.get("WEB_BENCH_OWN")
+        if path:
+            with open(path, "w", encoding="ascii") as out:
+                out.writelines(f"{began} {spent}\n" for began, spent in _SAMPLES)
+
+    atexit.register(written)
+    middleware.app = app_below
+    parent.app = entering
+    return app
+
+
 def serve(variant: str, port: int, redis_url: str) -> None:
     import uvicorn
 
@@ -172,9 +290,26 @@ def process_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def load(port: int, seconds: float, concurrency: int, pid: int) -> Result:
+#: The commands that run a script (``INFO commandstats`` counts the commands a script runs
+#: as well, under their own names).
+SCRIPT_CALLS = ("fcall", "fcall_ro", "evalsha", "evalsha_ro", "eval", "eval_ro")
+
+
+def script_calls(redis_url: str) -> int:
+    """Script calls the Redis server has run so far (``INFO commandstats``)."""
+    import redis
+
+    with redis.Redis.from_url(redis_url) as client:
+        stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in SCRIPT_CALLS)
+
+
+async def load(
+    port: int, seconds: float, concurrency: int, pid: int, redis_url: str
+) -> tuple[Result, tuple[int, int]]:
     """(requests/s, p50 latency ms, non-200 count, the server process's CPU µs per request or
-    NaN) over ``seconds`` after a 1 s warm-up."""
+    NaN, Redis script calls per 1000 requests, NaN) over ``seconds`` after a 1 s warm-up, and the
+    measured phase's bounds (``perf_counter_ns``, the same clock as the server's)."""
     import aiohttp
 
     url = f"http://127.0.0.1:{port}/"
@@ -195,27 +330,36 @@ async def load(port: int, seconds: float, concurrency: int, pid: int) -> Result:
 
         warm = time.perf_counter() + 1.0
         await asyncio.gather(*(worker(warm, False) for _ in range(concurrency)))
+        calls_before = script_calls(redis_url)
         cpu_before = process_cpu(pid)
         started = time.perf_counter()
         await asyncio.gather(*(worker(started + seconds, True) for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
         cpu_after = process_cpu(pid)
+        calls = script_calls(redis_url) - calls_before
     cpu = math.nan
     if cpu_before is not None and cpu_after is not None and latencies:
         cpu = (cpu_after - cpu_before) / len(latencies) * 1e6
-    return len(latencies) / elapsed, statistics.median(latencies) * 1000, bad, cpu
+    done = len(latencies)
+    result = (done / elapsed, statistics.median(latencies) * 1000, bad, cpu, calls / done * 1000,
+              math.nan)  # fmt: skip
+    window = (int(started * 1e9), int((started + elapsed) * 1e9))
+    return result, window
 
 
 async def run_variant(variant: str, redis_url: str, seconds: float, concurrency: int) -> Result:
     port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    samples = Path(tempfile.gettempdir()) / f"web-bench-own-{os.getpid()}-{port}.txt"
+    if variant.endswith(OWN):
+        env["WEB_BENCH_OWN"] = str(samples)
     process = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--serve", variant, "--port", str(port), "--redis", redis_url,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, env=env,
     )  # fmt: skip
     try:
         await wait_ready(port)
-        return await load(port, seconds, concurrency, process.pid)
+        result, (first, last) = await load(port, seconds, concurrency, process.pid, redis_url)
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -223,6 +367,18 @@ async def run_variant(variant: str, redis_url: str, seconds: float, concurrency:
         except TimeoutError:
             process.kill()
             await process.wait()
+    if variant.endswith(OWN):
+        try:
+            with samples.open(encoding="ascii") as lines:
+                own = sorted(
+                    int(spent) for began, spent in (line.split() for line in lines)
+                    if first <= int(began) <= last
+                )  # fmt: skip
+        finally:
+            samples.unlink(missing_ok=True)
+        if own:
+            result = (*result[:5], own[len(own) // 2] / 1000)
+    return result
 
 
 def _base(variant: str) -> str:
@@ -230,16 +386,23 @@ def _base(variant: str) -> str:
     return "fastapi" if variant.startswith("fastapi") else "bare"
 
 
-async def bench(seconds: float, rounds: int, concurrency: int, variants: list[str]) -> None:
+async def bench(
+    seconds: float, rounds: int, concurrency: int, variants: list[str], own: bool = True
+) -> None:
     sys.path.insert(0, str(ROOT))
     import cluster
 
     wanted = list(dict.fromkeys([_base(v) for v in variants] + variants))
     chosen = [v for v in VARIANTS if v in wanted]
+    timed = []
+    if own:
+        for variant in chosen:
+            if variant in OWN_ROWS:
+                timed += [variant + OWN, OWN_ROWS[variant] + OWN]
     with cluster.start_standalone() as server:
-        results: dict[str, list[Result]] = {v: [] for v in chosen}
+        results: dict[str, list[Result]] = {v: [] for v in chosen + timed}
         for _ in range(rounds):
-            for variant in chosen:
+            for variant in chosen + timed:
                 results[variant].append(
                     await run_variant(variant, server.url, seconds, concurrency)
                 )
@@ -251,13 +414,14 @@ async def bench(seconds: float, rounds: int, concurrency: int, variants: list[st
         f"{'variant':<26} {'req/s':>9} {'p50 ms':>8} {'vs bare':>9} {'non-200':>8} "
         f"{'cpu µs/req':>11} {'limiter µs/req':>15} {'of bare':>8}"
     )
+
+    def median(variant: str, field: int) -> float:
+        return statistics.median(r[field] for r in results[variant])  # type: ignore[misc]
+
     for variant in chosen:
-        rps = statistics.median(r[0] for r in results[variant])
-        p50 = statistics.median(r[1] for r in results[variant])
+        rps, p50, cpu = median(variant, 0), median(variant, 1), median(variant, 3)
         bad = sum(r[2] for r in results[variant])
-        cpu = statistics.median(r[3] for r in results[variant])
-        bare = statistics.median(r[0] for r in results[_base(variant)])
-        bare_cpu = statistics.median(r[3] for r in results[_base(variant)])
+        bare, bare_cpu = median(_base(variant), 0), median(_base(variant), 3)
         change = share = added = ""
         if variant != _base(variant):
             change = f"{(rps / bare - 1) * 100:+.1f}%"
@@ -275,6 +439,32 @@ async def bench(seconds: float, rounds: int, concurrency: int, variants: list[st
         "that as a share of a bare request's CPU. headers-only adds the two RateLimit fields "
         "alone: the floor of sending them in this server."
     )
+    if not timed:
+        return
+    print("\naiolimit's own code in the request, timed in situ (see the module's doc)\n")
+    print(
+        f"{'variant':<26} {'timed µs':>9} {'timing µs':>10} {'own µs/req':>11} "
+        f"{'of bare':>8} {'scripts/1k':>11}"
+    )
+    for variant in chosen:
+        if variant not in OWN_ROWS:
+            continue
+        measured = median(variant + OWN, 5)
+        timing = median(OWN_ROWS[variant] + OWN, 5)
+        bare_cpu = median(_base(variant), 3)
+        net = measured - timing
+        print(
+            f"{variant:<26} {measured:>9.2f} {timing:>10.2f} {net:>11.2f} "
+            f"{net / bare_cpu * 100:>7.1f}% {median(variant + OWN, 4):>11.1f}"
+        )
+    print(
+        "\ntimed µs: the median request's time in the middleware's own code (the app below it "
+        "and the server's send and receive excluded); timing µs: the same for a do-nothing "
+        "middleware (the cost of timing); own µs/req: the difference, the limiter's own CPU per "
+        "request; of bare: that as a share of the bare app's CPU per request (the first table); "
+        "scripts/1k: the limiter's script calls per 1000 requests meanwhile (units taken ahead "
+        "and given back, in the background: not in the own time)."
+    )
 
 
 def main() -> None:
@@ -284,18 +474,22 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated, of: " + ", ".join(VARIANTS))  # fmt: skip
-    parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--no-own", action="store_true",
+                        help="skip timing the prefetching rows' middleware in situ")  # fmt: skip
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--redis", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
+        if args.serve.removesuffix(OWN) not in SERVED:
+            parser.error(f"unknown variant to serve: {args.serve}")
         serve(args.serve, args.port, args.redis)
     else:
         variants = [v for v in args.variants.split(",") if v]
         unknown = sorted(set(variants) - set(VARIANTS))
         if unknown:
             parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-        asyncio.run(bench(args.seconds, args.rounds, args.concurrency, variants))
+        asyncio.run(bench(args.seconds, args.rounds, args.concurrency, variants, not args.no_own))
 
 
 if __name__ == "__main__":

@@ -123,3 +123,27 @@ def test_client_ab_compares_two_trees(redis_url: str, capsys: pytest.CaptureFixt
     assert client_ab.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("cpu µs/dec best") == 2 and "second/first (median cpu):" in out
+
+
+def test_web_bench_times_the_middleware_in_situ() -> None:
+    """bench/web_bench.py on one FastAPI row, briefly: every request answered 200, and the
+    in-situ table gives the middleware's own time less the timing's (both positive, and well
+    under a whole request's CPU)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, str(root / "bench" / "web_bench.py"), "--seconds", "0.3"]
+    argv += ["--rounds", "1", "--variants", "fastapi-aiolimit-prefetch"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, _, second = done.stdout.partition("timed in situ")
+    rows = {line.split()[0]: line.split() for line in first.splitlines() if line.strip()}
+    # (A bare row has no "vs bare" column: its non-200 count is one column to the left.)
+    assert rows["fastapi"][3] == "0" and rows["fastapi-aiolimit-prefetch"][4] == "0"
+    timed = [line.split() for line in second.splitlines()]
+    own_row = next(row for row in timed if row and row[0] == "fastapi-aiolimit-prefetch")
+    measured, timing, own = (float(value) for value in own_row[1:4])
+    bare_cpu = float(rows["fastapi"][4])
+    assert 0 < timing < measured < bare_cpu, own_row
+    assert own == round(measured - timing, 2) or abs(own - (measured - timing)) < 0.02
