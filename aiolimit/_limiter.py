@@ -8,6 +8,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
@@ -64,6 +65,20 @@ Identifiers = str | Sequence[str]
 P = ParamSpec("P")
 T = TypeVar("T")
 logger = logging.getLogger("aiolimit")
+
+#: How many forks this process is from the one that imported aiolimit (``_check_usable``): in
+#: a forked child the thread that forked keeps its id, and a loop object copied from the parent
+#: still says it runs in that thread, though it runs nowhere there (asyncio's running loop is
+#: per process).
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +232,7 @@ class Limiter:
         }
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_forks = _forks  # (``_check_usable``)
         # metrics (aiolimit.metrics): every decision of try_acquire/acquire is recorded.
         if metrics is not None and not isinstance(metrics, Metrics):
             raise ConfigurationError(
@@ -316,14 +332,19 @@ class Limiter:
         if self._closed:
             raise UsageError(f"{self!r} is closed (aclose() was called); open a new Limiter")
         if self._store.loop_bound:
-            if getattr(self._loop, "_thread_id", None) == threading.get_ident():
+            if (
+                getattr(self._loop, "_thread_id", None) == threading.get_ident()
+                and self._loop_forks == _forks
+            ):
                 # This limiter's loop runs in this thread, so it is the loop running here (one
                 # loop runs in a thread at a time): no need to ask asyncio, which costs a
-                # getpid() call per call.
+                # getpid() call per call. (Unless this process was forked since the loop was
+                # first used: the parent's loop object may name this thread, and run nowhere.)
                 return
             loop = asyncio.get_running_loop()
             if self._loop is None:
                 self._loop = loop
+                self._loop_forks = _forks
             elif loop is not self._loop:
                 raise UsageError(
                     f"{self!r} was first used on another event loop; its connections belong "
