@@ -5,6 +5,7 @@ check (``judge_local``, ``Charge.decision``, ``RateLimitMiddleware._ids_of``,
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from typing import Any
 
@@ -18,7 +19,9 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 import aiolimit.starlette as aiolimit_starlette
-from aiolimit import Concurrency, Decision, Limit, Limiter, UsageError
+from aiolimit import Concurrency, Decision, FixedWindow, Limit, Limiter, UsageError
+from aiolimit._web.headers import rate_limit_headers
+from aiolimit._web.keys import CLIENT_IP
 from aiolimit.starlette import RateLimit, RateLimitMiddleware
 
 LIMITS = [Limit(100_000, per=3600, precision=60)]
@@ -257,3 +260,139 @@ async def test_a_handler_refund_through_a_lazy_decision_is_not_given_back_again(
     assert statuses == [200] * 20 + [500] * 10
     assert all(d is not None and d.allowed for d in decisions)
     assert await stored(redis_url, prefix, f"ip:{IP}", LIMITS) == 20
+
+
+async def test_a_pool_joining_a_lazy_verdict_is_renewed_while_the_request_runs(
+    redis_url: str, prefix: str
+) -> None:
+    """A ``Concurrency`` lease that joined a verdict admitted from prefetched units (the
+    middleware's fast path, its decision not made) is renewed while the request runs past
+    the lease's TTL: a second request meanwhile is refused all along, and the slot is free
+    once the first is answered."""
+    pool = Concurrency(1, lease_ttl=0.3)
+    rates = Limiter(redis_url, LIMITS, prefix=prefix, prefetch=16)
+    slots = Limiter(redis_url, {"ip": [pool]}, prefix=prefix + "pool:")
+    listed = RateLimit(rates, "5/minute", name="never")  # (overridden: never judged)
+    inside = asyncio.Event()
+    app = FastAPI()
+
+    @app.get("/", dependencies=[Depends(listed)])
+    async def root(hold: float = 0.0) -> PlainTextResponse:
+        if hold:
+            inside.set()
+            await asyncio.sleep(hold)
+        return PlainTextResponse("ok")
+
+    app.dependency_overrides[listed] = RateLimit(slots)
+    app.add_middleware(RateLimitMiddleware, limiter=rates)
+    transport = httpx.ASGITransport(app=app, client=(IP, 1))
+    async with rates, slots, httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        for _ in range(5):  # (units taken ahead: the next requests are admitted locally)
+            assert (await client.get("/")).status_code == 200
+            await asyncio.sleep(0)
+        admitted_locally = rates.statistics().prefetched
+        assert admitted_locally >= 3
+        held = asyncio.ensure_future(client.get("/?hold=1.0"))
+        async with asyncio.timeout(5):
+            await inside.wait()
+        others = []
+        for _ in range(8):  # over three lease TTLs
+            others.append((await client.get("/")).status_code)
+            await asyncio.sleep(0.1)
+        assert (await held).status_code == 200
+        assert rates.statistics().prefetched > admitted_locally  # (the held one, at least)
+        assert others == [429] * 8, others
+        assert (await slots.peek(f"ip:{IP}")).remaining == 1
+        assert (await client.get("/")).status_code == 200
+        await settle(rates)
+
+
+@pytest.mark.parametrize(
+    ("limits", "kind"),
+    [
+        ([Limit(100_000, per=3600, precision=60)], "ip"),
+        ([FixedWindow(100_000, per=3600)], "client.addr*x"),
+        ([Limit(100_000, per=60, precision=1)], "ip"),
+    ],
+)
+async def test_the_fields_sent_from_a_lazy_admission_are_its_decisions(
+    redis_url: str, prefix: str, limits: list[Any], kind: str
+) -> None:
+    """Through the middleware's fast path, for each limit kind that can be prefetched: the
+    ``RateLimit`` fields a response carries (made with no ``Decision``) are what
+    ``rate_limit_headers`` says of the decision a dependency is given for the same request
+    (made later, on demand); the store counts each request once."""
+    limiter = Limiter(redis_url, {kind: limits}, prefix=prefix, prefetch=16)
+    listed = RateLimit(limiter, "5/minute", name="never")  # (overridden: never judged)
+    app = FastAPI()
+
+    @app.get("/")
+    async def root(
+        decision: Decision = Depends(listed),  # noqa: B008 (a local: FastAPI reads it so)
+    ) -> PlainTextResponse:
+        await asyncio.sleep(0.002)  # (the decision is asked for later than it was made)
+        return PlainTextResponse(dict(rate_limit_headers(decision))["RateLimit"])
+
+    app.dependency_overrides[listed] = RateLimit(limiter, keys={kind: CLIENT_IP})
+    app.add_middleware(RateLimitMiddleware, limiter=limiter, keys={kind: CLIENT_IP})
+    transport = httpx.ASGITransport(app=app, client=(IP, 1))
+    async with limiter, httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        remaining = []
+        for _ in range(40):
+            response = await client.get("/")
+            assert response.status_code == 200
+            assert response.headers["ratelimit"] == response.text
+            remaining.append(int(response.text.split(";r=")[1].split(";")[0]))
+            await asyncio.sleep(0)
+        assert limiter.statistics().prefetched >= 30
+        # Never more than is left (less while units an allowance holds are counted in the
+        # store's reply, until given back), and one less per request from one allowance.
+        assert all(r <= 100_000 - n for n, r in enumerate(remaining, 1)), str(remaining)
+        assert sum(a - b == 1 for a, b in itertools.pairwise(remaining)) >= 25, str(remaining)
+        await settle(limiter)
+    assert await stored(redis_url, prefix, f"{kind}:{IP}", limits) == 40
+
+
+def test_a_stopped_loop_names_no_thread_and_another_loop_is_refused(
+    redis_url: str, prefix: str
+) -> None:
+    """The limiter's loop, stopped (``run_until_complete`` returned) but not closed: another
+    loop in the same thread is refused (prefetched path and store's), and the limiter's own
+    loop, run again, is served again, from its prefetched units too."""
+    limiter = Limiter(redis_url, LIMITS, prefix=prefix, prefetch=16)
+    own = asyncio.new_event_loop()
+    other = asyncio.new_event_loop()
+
+    async def warm() -> None:
+        for _ in range(3):  # (the second takes units ahead)
+            assert (await limiter.try_acquire("ip:s")).allowed
+
+    async def elsewhere() -> list[str]:
+        errors = []
+        try:
+            limiter._take_prefetched(("ip:s",), 1)
+        except UsageError as exc:
+            errors.append(str(exc))
+        try:
+            await limiter.try_acquire("ip:s")
+        except UsageError as exc:
+            errors.append(str(exc))
+        return errors
+
+    async def again() -> int:
+        served = 0
+        for _ in range(3):
+            served += limiter._take_prefetched(("ip:s",), 1) is not None
+        assert (await limiter.try_acquire("ip:s")).allowed
+        await settle(limiter)
+        await limiter.aclose()
+        return served
+
+    try:
+        own.run_until_complete(warm())
+        errors = other.run_until_complete(elsewhere())
+        assert len(errors) == 2 and all("another event loop" in e for e in errors), errors
+        assert own.run_until_complete(again()) >= 1  # (the units the warm-up left)
+    finally:
+        other.close()
+        own.close()
