@@ -182,3 +182,43 @@ async def test_a_limiter_whose_loop_runs_refuses_a_call_from_another_thread(
         errors = await asyncio.to_thread(asyncio.run, elsewhere())
         assert len(errors) == 3 and all("another event loop" in e for e in errors), errors
         await settle(limiter)
+
+
+@pytest.mark.parametrize("shape", ["legacy", "two kinds"])
+async def test_an_admission_the_fields_need_a_decision_for_is_judged_locally_too(
+    redis_url: str, prefix: str, shape: str
+) -> None:
+    """Legacy ``X-RateLimit-*`` fields, or two identifiers (two kinds keyed by the client):
+    the admission from prefetched units makes its decision at once (``judge_local``): the
+    fields give one ``remaining`` (both kinds count the same requests; the legacy field says
+    the same), and the store counts every request once the limiter closes."""
+
+    async def ok(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    rules = {"ip": LIMITS, "peer": LIMITS}
+    limiter = Limiter(redis_url, rules, prefix=prefix, prefetch=16)
+    app = Starlette(routes=[Route("/", ok)])
+    if shape == "legacy":
+        app.add_middleware(RateLimitMiddleware, limiter=limiter, legacy_headers=True)
+    else:
+        keys = {"ip": aiolimit_starlette.CLIENT_IP, "peer": aiolimit_starlette.CLIENT_IP}
+        app.add_middleware(RateLimitMiddleware, limiter=limiter, keys=keys)
+    transport = httpx.ASGITransport(app=app, client=("203.0.113.77", 1))
+    seen = []
+    async with limiter, httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        for _ in range(40):
+            response = await client.get("/")
+            assert response.status_code == 200
+            seen.append(response.headers)
+        assert limiter.statistics().prefetched > 20
+        await settle(limiter)
+    for headers in seen:
+        fields = headers["ratelimit"].split(", ")
+        assert len(fields) == (1 if shape == "legacy" else 2), fields
+        remaining = {int(field.split(";r=")[1].split(";")[0]) for field in fields}
+        assert len(remaining) == 1  # (both kinds count the same requests)
+        if shape == "legacy":
+            assert int(headers["x-ratelimit-remaining"]) in remaining
+    for kind in rules if shape == "two kinds" else ["ip"]:
+        assert await stored(redis_url, prefix, f"{kind}:203.0.113.77", LIMITS) == 40
