@@ -654,7 +654,7 @@ class Protocol:
                 for call, result in zip(calls, results, strict=True)
                 if isinstance(result, BaseException) or decode(call, result).allowed
             ]
-            await self._shielded(self._compensate(undo, weight, op, now_us))
+            await self._compensated(undo, weight, op, now_us, error)
             error._aiolimit_undone = op.stamp  # type: ignore[attr-defined]
             raise error
         if all(allows(raw) for raw in results):  # type: ignore[arg-type]
@@ -680,7 +680,7 @@ class Protocol:
         # others charged nothing). If that undo fails, ``acquire`` undoes them all.
         self.statistics.compensations += 1
         undo = [call for call, reply in zip(calls, replies, strict=True) if reply.allowed]
-        await self._shielded(self._compensate(undo, weight, op, now_us))
+        await self._compensated(undo, weight, op, now_us)
         return _refusal(replies, weight)
 
     async def _release_refused(
@@ -720,6 +720,25 @@ class Protocol:
         return merged if not merged.allowed else replace(merged, allowed=False)
 
     # --- undo, release, renew ---------------------------------------------------------------
+
+    async def _compensated(
+        self, calls: Sequence[Call], weight: int, op: Op, now_us: int | None,
+        cause: BaseException | None = None,
+    ) -> None:  # fmt: skip
+        """``_compensate`` run to its end whatever happens to the caller, within a budget of
+        its own (``_shielded``). One still unanswered when the budget ends raises
+        ``BackendUnavailable`` (from ``cause``, the error that called for it, if any), not
+        the budget's ``TimeoutError``: the caller is answered by the failure policy, as for
+        any store failure, and ``acquire`` goes on undoing (the error carries no mark)."""
+        try:
+            await self._shielded(self._compensate(calls, weight, op, now_us))
+        except TimeoutError as exc:
+            self.statistics.compensation_errors += 1
+            raise BackendUnavailable(
+                f"no answer within {UNDO_BUDGET:g} s undoing op {op.id} on "
+                f"{len(calls)} slot(s) (tried again in the background)"
+                + ("" if cause is None else f"; the decision had failed: {cause}")
+            ) from (cause or exc)
 
     async def _compensate(
         self, calls: Sequence[Call], weight: int, op: Op, now_us: int | None

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from aiolimit import BackendUnavailable, Limit, Limiter
+from aiolimit._protocol import Protocol
 from tests._proxy import Proxy
 
 
@@ -62,13 +63,19 @@ ROOMY = Limit(1_000_000, per=3600, precision=60)
 
 
 @pytest.mark.cluster
+@pytest.mark.parametrize("stuck", [False, True])
 async def test_a_cross_slot_commit_whose_undo_could_not_be_sent_is_still_undone(
-    calm: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+    calm: Any, prefix: str, monkeypatch: pytest.MonkeyPatch, stuck: bool
 ) -> None:
     """Commits across slots are written and their replies lost (every node then refuses new
     connections, so redis-py drops its slot map). The compensation's undo cannot load the map:
     its error is marked unsent, which says nothing of the commits. The caller is told the
-    decision failed: the commits must still be undone once the cluster answers again."""
+    decision failed: the commits must still be undone once the cluster answers again.
+
+    ``stuck``: the compensation outlives its own budget (``UNDO_BUDGET``), as it did on a
+    loaded machine in redis-py's slot map reload, which no deadline of ours bounds (its
+    connect to a node stalled). The caller must still be told ``BackendUnavailable``, as the
+    failure policy answers it: a bare ``TimeoutError`` went past the policy to the caller."""
     from redis.asyncio.cluster import RedisCluster
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
@@ -93,6 +100,14 @@ async def test_a_cross_slot_commit_whose_undo_could_not_be_sent_is_still_undone(
     # retries and the compensation's budget are cut to a second, to keep the test short.
     limiter._protocol._store.deadline = 1.0  # type: ignore[attr-defined]
     monkeypatch.setattr("aiolimit._protocol.UNDO_BUDGET", 1.0)
+    if stuck:
+        compensate = Protocol._compensate
+
+        async def stuck_compensate(self: Protocol, *args: Any) -> None:
+            await asyncio.sleep(1.5)  # (past the budget: the wait is cut, the undo with it)
+            await compensate(self, *args)
+
+        monkeypatch.setattr(Protocol, "_compensate", stuck_compensate)
     refused = closed_port()
     armed: list[bool] = []
 
